@@ -1,0 +1,1 @@
+"""Checkpoints: on-disk layout, the atomic store, and the resume plan."""

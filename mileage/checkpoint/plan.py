@@ -1,0 +1,333 @@
+"""The resume decision: a pure function from flags plus disk state to a `ResumePlan`.
+
+`plan_start(flags, disk)` reads nothing itself: `gather_disk_state` takes the snapshot, so every
+rule below is testable by building directories (or `DirState`s) and calling it. This table is
+the contract; each row has a test in tests/test_plan.py.
+
+| on disk / flags                                   | decision                                                  |
+|---------------------------------------------------|-----------------------------------------------------------|
+| --load unset, missing, or without a tracker       | fresh from the mode's source; start at --start-rollout-id or 0 |
+| tracker N and iter_N complete                     | resume from iter_N: weights, optimizer, RNG, data; start N+1 |
+| tracker "release"                                 | fresh from release/ weights; start 0; no optimizer/RNG/data |
+| --ckpt-step K                                     | iter_K exactly (K=0 too); error if absent or incomplete   |
+| --finetune                                        | weights only from the checkpoint; start 0, fresh optimizer/RNG/data |
+| --no-load-optim / --no-load-rng                   | skip that part of a resume                                |
+| --start-rollout-id S on a resume                  | S wins; a warning when S != N+1                           |
+| tracker invalid, or naming a missing/incomplete dir | error (exit 2) naming the file, its text, the complete checkpoints |
+| start == num_rollout                              | action "complete": nothing to train, exit 0               |
+| start > num_rollout                               | error explaining the numbers                              |
+| checkpoint model config != --hf-checkpoint config | error naming the differing fields                         |
+| --save holds checkpoints this start won't continue | error: suggest --load SAVE or a new --save               |
+| mode bridge + native source / mode raw + HF source | error naming the mode that fits                          |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from mileage.checkpoint.layout import (
+    TRACKER,
+    CheckpointInfo,
+    DirState,
+    config_differences,
+    scan_dir,
+)
+from mileage.errors import UserError
+
+FRESH, RESUME, COMPLETE = "fresh", "resume", "complete"
+
+
+@dataclass(frozen=True)
+class StartFlags:
+    hf_checkpoint: str
+    num_rollout: int
+    mode: str = "bridge"
+    load: str | None = None
+    save: str | None = None
+    ref_load: str | None = None
+    ref_ckpt_step: int | None = None
+    ckpt_step: int | None = None
+    finetune: bool = False
+    load_optim: bool = True
+    load_rng: bool = True
+    start_rollout_id: int | None = None
+
+
+@dataclass(frozen=True)
+class DiskState:
+    load: DirState | None
+    save: DirState | None
+    ref_load: DirState | None
+    hf_checkpoint: DirState | None
+    model_config: dict | None  # the config the run builds its model from (the --hf-checkpoint one)
+
+
+def gather_disk_state(flags: StartFlags, model_config: dict | None) -> DiskState:
+    return DiskState(
+        load=scan_dir(flags.load),
+        save=scan_dir(flags.save),
+        ref_load=scan_dir(flags.ref_load),
+        hf_checkpoint=scan_dir(flags.hf_checkpoint),
+        model_config=model_config,
+    )
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    action: str
+    mode: str
+    weights_from: str
+    weights_format: str  # "hf" or "native"
+    iteration: int | None
+    start_rollout_id: int
+    num_rollout: int
+    load_optimizer: bool
+    load_rng: bool
+    load_data_state: bool
+    reasons: tuple[str, ...]
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["reasons"] = list(self.reasons)
+        return json.dumps(data, indent=2)
+
+    def describe(self) -> str:
+        what = {
+            FRESH: f"fresh start at rollout {self.start_rollout_id}",
+            RESUME: f"resume at rollout {self.start_rollout_id}",
+            COMPLETE: "nothing to do",
+        }[self.action]
+        loads = [
+            n
+            for n, on in (
+                ("optimizer", self.load_optimizer),
+                ("rng", self.load_rng),
+                ("data position", self.load_data_state),
+            )
+            if on
+        ]
+        lines = [
+            f"plan: {what} of {self.num_rollout} ({self.mode} mode)",
+            f"  weights: {self.weights_from} ({self.weights_format}"
+            + (f", iteration {self.iteration})" if self.iteration is not None else ")"),
+            f"  also loads: {', '.join(loads) if loads else 'nothing else (fresh optimizer, RNG, data)'}",
+        ]
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def _list_complete(state: DirState) -> str:
+    ids = state.complete_ids
+    return ", ".join(str(i) for i in ids) if ids else "none"
+
+
+def _usable(info: CheckpointInfo | None, path: str, what: str, state: DirState) -> CheckpointInfo:
+    if info is None:
+        raise UserError(
+            f"{what}: {path} does not exist; complete checkpoints in {state.path}: {_list_complete(state)}"
+        )
+    if not info.complete:
+        raise UserError(
+            f"{what}: {path} is incomplete ({info.problem}); complete checkpoints in "
+            f"{state.path}: {_list_complete(state)}"
+        )
+    return info
+
+
+@dataclass(frozen=True)
+class _Source:
+    path: str
+    fmt: str
+    iteration: int | None
+    info: CheckpointInfo | None  # None for HF directories
+    reason: str
+
+
+def _native_source(state: DirState, step: int | None, flag: str) -> _Source:
+    """A weights-only source inside a native directory: iter_step, or what its tracker names."""
+    if step is not None:
+        path = os.path.join(state.path, f"iter_{step:07d}")
+        info = _usable(state.checkpoints.get(step), path, f"{flag} {step}", state)
+        return _Source(path, "native", step, info, f"{flag} {step} selects {path}")
+    tracker = state.tracker
+    if not tracker.valid:
+        _bad_tracker(state)
+    if tracker.release:
+        path = os.path.join(state.path, "release")
+        info = _usable(state.release, path, "tracker says release", state)
+        return _Source(
+            path, "native", None, info, f"{state.path}: tracker says 'release', weights from {path}"
+        )
+    path = os.path.join(state.path, f"iter_{tracker.iteration:07d}")
+    info = _usable(
+        state.checkpoints.get(tracker.iteration), path, f"tracker {state.path}/{TRACKER}", state
+    )
+    return _Source(
+        path,
+        "native",
+        tracker.iteration,
+        info,
+        f"tracker of {state.path} names iteration {tracker.iteration}",
+    )
+
+
+def _bad_tracker(state: DirState) -> None:
+    raise UserError(
+        f"{os.path.join(state.path, TRACKER)} holds {state.tracker.raw!r}, which is neither a rollout "
+        f"number nor 'release'; complete checkpoints there: {_list_complete(state)}. Fix the file or "
+        f"pass --ckpt-step; nothing was changed"
+    )
+
+
+def _fresh_source(flags: StartFlags, disk: DiskState) -> _Source:
+    """Where a fresh run's weights come from in the chosen mode (also the reference model's)."""
+    if flags.mode == "bridge":
+        flag, state = (
+            ("--ref-load", disk.ref_load)
+            if flags.ref_load
+            else ("--hf-checkpoint", disk.hf_checkpoint)
+        )
+        if state is None or not state.exists:
+            raise UserError(f"{flag} {state.path if state else None} does not exist")
+        if state.is_native and not state.is_hf:
+            raise UserError(
+                f"{flag} {state.path} is a native mileage checkpoint directory; bridge mode needs a "
+                f"Hugging Face model directory: use --megatron-to-hf-mode raw --ref-load {state.path}"
+            )
+        if not state.is_hf:
+            raise UserError(
+                f"{flag} {state.path} is not a Hugging Face model (needs config.json and weights)"
+            )
+        return _Source(
+            state.path, "hf", None, None, f"bridge mode: weights from {flag} {state.path}"
+        )
+    if not flags.ref_load:
+        raise UserError(
+            "raw mode needs --ref-load DIR (a native checkpoint, e.g. from `mileage convert`)"
+        )
+    state = disk.ref_load
+    if not state.exists:
+        raise UserError(f"--ref-load {state.path} does not exist")
+    if state.is_hf and not state.is_native:
+        raise UserError(
+            f"--ref-load {state.path} is a Hugging Face model directory; raw mode needs a native "
+            f"checkpoint: use --megatron-to-hf-mode bridge, or `mileage convert` it first"
+        )
+    source = _native_source(state, flags.ref_ckpt_step, "--ref-ckpt-step")
+    return _Source(
+        source.path, source.fmt, source.iteration, source.info, f"raw mode: {source.reason}"
+    )
+
+
+def reference_source(flags: StartFlags, disk: DiskState) -> tuple[str, str]:
+    """(path, format) of the frozen reference model: always the mode's fresh source, never --ckpt-step."""
+    source = _fresh_source(flags, disk)
+    return source.path, source.fmt
+
+
+def _check_model_config(info: CheckpointInfo | None, disk: DiskState, path: str) -> None:
+    if info is None or disk.model_config is None or "model_config" not in info.meta:
+        return
+    diffs = config_differences(info.meta["model_config"], disk.model_config)
+    if diffs:
+        raise UserError(
+            f"{path} was saved for a different model than --hf-checkpoint ({'; '.join(diffs)})"
+        )
+
+
+def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
+    """Decide how this run starts. Raises UserError for every state it refuses."""
+    reasons: list[str] = []
+    load = disk.load
+    if flags.ckpt_step is not None and flags.load is None:
+        raise UserError("--ckpt-step selects a checkpoint under --load; --load is not set")
+    if load is not None and load.exists and load.is_hf and not load.is_native:
+        raise UserError(
+            f"--load {load.path} is a Hugging Face model directory, not a save directory; "
+            f"pass it as --hf-checkpoint (bridge mode)"
+        )
+
+    has_checkpoint = (
+        load is not None and load.exists and (load.tracker.exists or flags.ckpt_step is not None)
+    )
+    if has_checkpoint:
+        if flags.ckpt_step is None and load.tracker.exists and not load.tracker.valid:
+            _bad_tracker(load)
+        source = _native_source(load, flags.ckpt_step, "--ckpt-step")
+        reasons.append(source.reason)
+        resumable = source.iteration is not None and not flags.finetune
+        if source.iteration is None:
+            reasons.append(
+                "a release checkpoint holds weights only: nothing to resume, start fresh"
+            )
+        elif flags.finetune:
+            reasons.append("--finetune: weights only; fresh optimizer, RNG and data position")
+    else:
+        if flags.load is None:
+            reasons.append("--load is not set")
+        elif not load.exists:
+            reasons.append(f"--load {flags.load} does not exist yet")
+        else:
+            reasons.append(f"--load {flags.load} has no {TRACKER}")
+        source = _fresh_source(flags, disk)
+        reasons.append(source.reason)
+        resumable = False
+    _check_model_config(source.info, disk, source.path)
+
+    if resumable:
+        action, natural_start = RESUME, source.iteration + 1
+        load_optim, load_rng, load_data = flags.load_optim, flags.load_rng, True
+        if not flags.load_optim:
+            reasons.append(
+                "--no-load-optim: fresh optimizer state (the step counter still continues)"
+            )
+        if not flags.load_rng:
+            reasons.append("--no-load-rng: global RNG states not restored")
+    else:
+        action, natural_start = FRESH, 0
+        load_optim = load_rng = load_data = False
+
+    start = natural_start
+    if flags.start_rollout_id is not None:
+        start = flags.start_rollout_id
+        if action == RESUME and start != natural_start:
+            reasons.append(
+                f"warning: --start-rollout-id {start} overrides the checkpoint's next rollout {natural_start}"
+            )
+        else:
+            reasons.append(f"--start-rollout-id {start}")
+
+    if start == flags.num_rollout:
+        reasons.append(f"run already complete ({start} of {flags.num_rollout} rollouts)")
+        action = COMPLETE
+    elif start > flags.num_rollout:
+        raise UserError(
+            f"this run would start at rollout {start} but --num-rollout is {flags.num_rollout}: nothing "
+            f"would train. Raise --num-rollout (or --num-epoch) above {start - 1} to continue"
+        )
+    elif disk.save is not None and disk.save.checkpoints:
+        continues_save = action == RESUME and os.path.realpath(source.path).startswith(
+            os.path.realpath(disk.save.path) + os.sep
+        )
+        if not continues_save:
+            raise UserError(
+                f"--save {disk.save.path} already holds checkpoints ({_list_complete(disk.save)} complete) "
+                f"that this start would not continue; pass --load {disk.save.path} to resume them, or "
+                f"choose a new --save"
+            )
+
+    return ResumePlan(
+        action=action,
+        mode=flags.mode,
+        weights_from=source.path,
+        weights_format=source.fmt,
+        iteration=source.iteration,
+        start_rollout_id=start,
+        num_rollout=flags.num_rollout,
+        load_optimizer=load_optim,
+        load_rng=load_rng,
+        load_data_state=load_data,
+        reasons=tuple(reasons),
+    )

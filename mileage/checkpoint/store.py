@@ -1,0 +1,319 @@
+"""Writing, committing, loading and verifying checkpoints.
+
+Commit order (a kill at any instant leaves the tracker absent or naming a complete checkpoint):
+  1. write everything under SAVE/.staging-<name>-<pid>-<n>/, fsync each file, manifest last;
+  2. rename the staging directory to iter_{N:07d} and fsync SAVE;
+  3. replace the tracker atomically (temp file, fsync, rename, fsync SAVE).
+Only then are old checkpoints pruned (`--save-keep-last`), never the one the tracker names.
+
+Model and optimizer tensors are stored with torch.distributed.checkpoint (DCP), keyed by
+parameter name, so they reshard to another world size. Only tensors go into DCP: DCP unpickles
+non-tensor entries with `weights_only=False`, so optimizer hyper-parameters, counters and data
+position live in JSON instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+from mileage.checkpoint.layout import (
+    MANIFEST,
+    META,
+    RELEASE,
+    STAGING_PREFIX,
+    TRACKER,
+    checkpoint_path,
+    inspect_checkpoint,
+    iter_dir_name,
+    read_tracker,
+    scan_dir,
+)
+from mileage.errors import UserError
+from mileage.faults import fault_point
+
+MODEL_DIR, OPTIMIZER_DIR, RNG_FILE, TRAINER_STATE = (
+    "model",
+    "optimizer",
+    "rng.safetensors",
+    "trainer_state.json",
+)
+
+
+class CheckpointWriteError(UserError):
+    """Saving failed (disk full, I/O error, permissions...); the previous checkpoint is intact."""
+
+    exit_code = 1
+
+
+@dataclass
+class CheckpointState:
+    """Everything one checkpoint holds, already detached from live objects."""
+
+    model: dict[str, torch.Tensor]
+    meta: dict
+    optimizer: dict[str, torch.Tensor] | None = None
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    trainer: dict = field(default_factory=dict)
+
+    def copied(self) -> CheckpointState:
+        """A deep copy in CPU memory, so training can go on while a background thread writes."""
+
+        def clone(tensors):
+            return (
+                None
+                if tensors is None
+                else {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+            )
+
+        return CheckpointState(
+            clone(self.model),
+            json.loads(json.dumps(self.meta)),
+            clone(self.optimizer),
+            clone(self.rng),
+            json.loads(json.dumps(self.trainer)),
+        )
+
+
+# ---------------------------------------------------------------- low-level durable writes
+
+
+def fsync_path(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durably(path: Path, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_tracker(save_dir: str | Path, value: int | str) -> None:
+    """Atomically point the tracker at `value` (temp file, fsync, rename, fsync directory)."""
+    save_dir = Path(save_dir)
+    temp = save_dir / f".{TRACKER}.tmp-{os.getpid()}"
+    with open(temp, "w", encoding="utf-8") as handle:
+        handle.write(f"{value}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, save_dir / TRACKER)
+    fsync_path(save_dir)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    # single-process DCP warns that no process group exists; that is the intended mode here
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    with _quiet_dcp():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+    fsync_path(directory)
+
+
+def load_tensors(
+    directory: str | Path, into: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Load a DCP tensor directory; into `into`'s tensors in place if given, else fresh tensors."""
+    reader = dcp.FileSystemReader(str(directory))
+    metadata = reader.read_metadata().state_dict_metadata
+    if any(not hasattr(m, "size") for m in metadata.values()):
+        raise UserError(
+            f"{directory} holds non-tensor entries; mileage never writes those, refusing to unpickle"
+        )
+    if into is None:
+        into = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()}
+    missing = sorted(set(into) - set(metadata))
+    if missing:
+        raise UserError(
+            f"{directory} lacks {len(missing)} tensors the model needs, e.g. {missing[0]}"
+        )
+    with _quiet_dcp():
+        dcp.load(into, storage_reader=reader)
+    return into
+
+
+# ---------------------------------------------------------------- save and commit
+
+
+def _write_contents(directory: Path, state: CheckpointState) -> None:
+    save_tensors(state.model, directory / MODEL_DIR)
+    fault_point("save_after_model")
+    if state.optimizer is not None:
+        save_tensors(state.optimizer, directory / OPTIMIZER_DIR)
+    if state.rng:
+        save_file(state.rng, str(directory / RNG_FILE))
+        fsync_path(directory / RNG_FILE)
+    if state.trainer:
+        write_json_durably(directory / TRAINER_STATE, state.trainer)
+    write_json_durably(directory / META, state.meta)
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    write_json_durably(directory / MANIFEST, {"files": files})
+    fsync_path(directory)
+
+
+def commit_checkpoint(save_dir: str | Path, name: int | str, state: CheckpointState) -> Path:
+    """Write `state` as iter_{name:07d} (or release/) under `save_dir` and move the tracker to it."""
+    save_dir = Path(save_dir)
+    target = checkpoint_path(save_dir, name)
+    staging = save_dir / f"{STAGING_PREFIX}{target.name}-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        _write_contents(staging, state)
+        fault_point("commit_before_rename")
+        if target.exists():
+            # a complete checkpoint the tracker does not name (e.g. a kill between rename and
+            # tracker); it is superseded by this one
+            os.rename(target, save_dir / f"{STAGING_PREFIX}old-{target.name}-{time.monotonic_ns()}")
+        os.rename(staging, target)
+        fsync_path(save_dir)
+        fault_point("commit_before_tracker")
+        write_tracker(save_dir, name)
+        fault_point("commit_after_tracker")
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        where = exc.filename or save_dir
+        raise CheckpointWriteError(
+            f"saving checkpoint {target.name} failed: {exc.strerror or exc} ({where}); "
+            f"the previous checkpoint and the tracker are untouched"
+        ) from None
+    remove_leftovers(save_dir)
+    return target
+
+
+def remove_leftovers(save_dir: str | Path) -> list[str]:
+    """Delete staging directories of interrupted saves; returns their names."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    removed = []
+    for entry in sorted(os.listdir(save_dir)):
+        if entry.startswith(STAGING_PREFIX) or entry.startswith(f".{TRACKER}.tmp-"):
+            path = save_dir / entry
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+def prune_checkpoints(save_dir: str | Path, keep_last: int | None) -> list[str]:
+    """Keep the newest `keep_last` complete checkpoints and the tracker's; delete older ones."""
+    if not keep_last:
+        return []
+    state = scan_dir(save_dir)
+    tracked = read_tracker(save_dir).iteration
+    complete = state.complete_ids
+    keep = set(complete[-keep_last:]) | ({tracked} if tracked is not None else set())
+    removed = []
+    for rollout_id in complete:
+        if rollout_id not in keep and (tracked is None or rollout_id < tracked):
+            shutil.rmtree(Path(save_dir) / iter_dir_name(rollout_id))
+            removed.append(iter_dir_name(rollout_id))
+    return removed
+
+
+# ---------------------------------------------------------------- load and verify
+
+
+def load_model_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:
+    """Load a native checkpoint's weights into `model` in place."""
+    state = model.state_dict()
+    load_tensors(Path(checkpoint) / MODEL_DIR, into=state)
+    model.load_state_dict(state)
+
+
+def optimizer_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """Optimizer state as flat `{param_name}.{key}` tensors (resharding-friendly, no pickles)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    flat = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                flat[f"{names[id(param)]}.{key}"] = (
+                    value if torch.is_tensor(value) else torch.tensor(value)
+                )
+    return flat
+
+
+def load_optimizer_tensors(
+    checkpoint: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    tensors = load_tensors(Path(checkpoint) / OPTIMIZER_DIR)
+    params = dict(model.named_parameters())
+    for name, value in tensors.items():
+        param_name, _, key = name.rpartition(".")
+        if param_name not in params:
+            raise UserError(f"{checkpoint}: optimizer state for unknown parameter {param_name}")
+        optimizer.state[params[param_name]][key] = value
+
+
+def load_rng_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(checkpoint) / RNG_FILE))
+
+
+def read_json(checkpoint: str | Path, name: str) -> dict:
+    return json.loads((Path(checkpoint) / name).read_text())
+
+
+def verify_checkpoint(checkpoint: str | Path) -> list[str]:
+    """Problems found by re-hashing every file against the manifest ([] = intact)."""
+    checkpoint = Path(checkpoint)
+    info = inspect_checkpoint(checkpoint)
+    if not info.complete:
+        return [info.problem]
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    problems = []
+    for name, entry in manifest["files"].items():
+        if file_sha256(checkpoint / name) != entry["sha256"]:
+            problems.append(f"{checkpoint / name}: checksum mismatch")
+    return problems
+
+
+def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor in sorted-name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        value = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+__all__ = ["RELEASE", "CheckpointState", "commit_checkpoint", "load_tensors", "verify_checkpoint"]

@@ -1,0 +1,68 @@
+"""Saving on schedule, synchronously or in the background (`--async-save`).
+
+At most one background save is in flight: a new save first waits for the previous one. The
+tracker only moves when a save commits, so a crash during an async save leaves the previous
+checkpoint as the latest. A failed background save is re-raised at the next `save`/`wait`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from mileage.checkpoint.store import CheckpointState, commit_checkpoint, prune_checkpoints
+
+
+class CheckpointWriter:
+    def __init__(
+        self,
+        save_dir: str | Path,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        on_commit: Callable[[int, Path], None] | None = None,
+    ):
+        self.save_dir = Path(save_dir)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.on_commit = on_commit or (lambda rollout_id, path: None)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, rollout_id: int, state: CheckpointState) -> None:
+        self.wait()
+        if not self.async_save:
+            self._commit(rollout_id, state)
+            return
+        snapshot = state.copied()
+        self._thread = threading.Thread(
+            target=self._commit_in_background,
+            args=(rollout_id, snapshot),
+            name="mileage-save",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _commit(self, rollout_id: int, state: CheckpointState) -> None:
+        path = commit_checkpoint(self.save_dir, rollout_id, state)
+        prune_checkpoints(self.save_dir, self.keep_last)
+        self.on_commit(rollout_id, path)
+
+    def _commit_in_background(self, rollout_id: int, state: CheckpointState) -> None:
+        try:
+            self._commit(rollout_id, state)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread by wait()
+            self._error = exc
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) has committed; re-raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

@@ -1,0 +1,1 @@
+"""The `mileage` command line."""

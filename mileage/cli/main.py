@@ -1,0 +1,74 @@
+"""`mileage` command line: train, plan, ckpt, convert, export-hf, plot.
+
+Every user error (bad flag, missing file, refused checkpoint state) is printed as one line
+`mileage: error: ...` with exit code 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mileage.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from mileage.run_config import RunConfig
+
+    cfg = RunConfig.from_args(args)
+    from mileage.cli.train import train_command
+
+    return train_command(cfg)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from mileage.components import make_plan
+    from mileage.run_config import RunConfig
+
+    plan, _, _ = make_plan(RunConfig.from_args(args))
+    print(plan.to_json() if args.json else plan.describe())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mileage.cli import ckpt_commands
+    from mileage.run_config import RunConfig
+
+    parser = _Parser(prog="mileage", description="RL post-training with exact resume.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = sub.add_parser("train", help="run RL post-training (GRPO / PPO family)")
+    RunConfig.add_arguments(train)
+    train.set_defaults(func=_cmd_train)
+
+    plan = sub.add_parser("plan", help="print the resume plan `train` would follow, and exit")
+    RunConfig.add_arguments(plan)
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(func=_cmd_plan)
+
+    ckpt_commands.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return args.func(args)
+    except UserError as exc:
+        print(f"mileage: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("mileage: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

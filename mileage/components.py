@@ -1,0 +1,230 @@
+"""Builds the parts of a run from its config and plan, restores them, and captures their state.
+
+Everything here is plumbing; the algorithm itself reads top to bottom in `loop.py`.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+import mileage
+from mileage.checkpoint.layout import architecture, fingerprint
+from mileage.checkpoint.plan import (
+    RESUME,
+    ResumePlan,
+    StartFlags,
+    gather_disk_state,
+    reference_source,
+)
+from mileage.checkpoint.store import (
+    TRAINER_STATE,
+    CheckpointState,
+    load_model_weights,
+    load_optimizer_tensors,
+    load_rng_tensors,
+    optimizer_tensors,
+    read_json,
+    verify_checkpoint,
+)
+from mileage.checkpoint.writer import CheckpointWriter
+from mileage.errors import UserError
+from mileage.metrics import MetricsLog
+from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
+from mileage.models.tiny import (
+    build_char_tokenizer,
+    builtin_model_dir,
+    ensure_builtin_model,
+    tiny_llama_config,
+)
+from mileage.rollout.data import Prompt, PromptSource, load_eval_prompts, load_train_prompts
+from mileage.rollout.engine import LocalEngine, SamplingParams
+from mileage.rollout.rewards import RewardFn, build_reward_fn
+from mileage.rollout.rollout import PromptEncoder
+from mileage.rollout.tasks import builtin_alphabet
+from mileage.run_config import RunConfig
+from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
+from mileage.training.actor import Actor
+from mileage.training.optimizer import build_optimizer, build_schedule
+
+
+def hf_checkpoint_path(cfg: RunConfig) -> str:
+    """--hf-checkpoint, or the built-in model's cache directory (which may not be built yet)."""
+    return cfg.checkpoint.hf_checkpoint or str(builtin_model_dir(cfg.data.builtin_task))
+
+
+def model_config_of(cfg: RunConfig) -> dict:
+    if cfg.checkpoint.hf_checkpoint:
+        return read_config_json(cfg.checkpoint.hf_checkpoint)
+    tok = build_char_tokenizer(builtin_alphabet())
+    return tiny_llama_config(
+        len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
+    ).to_dict()
+
+
+def make_plan(cfg: RunConfig) -> tuple[ResumePlan, StartFlags, list[Prompt]]:
+    """Everything `mileage plan` needs; cheap (reads JSON and directory listings, no tensors)."""
+    from mileage.checkpoint.layout import DirState
+    from mileage.checkpoint.plan import plan_start
+
+    prompts = load_train_prompts(cfg.data)
+    model_config = model_config_of(cfg)
+    flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
+    disk = gather_disk_state(flags, model_config)
+    if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:
+        # the built-in model is built on first use; plan as if it were there
+        built = DirState(flags.hf_checkpoint, True, hf_config=model_config, hf_weights=True)
+        disk = type(disk)(disk.load, disk.save, disk.ref_load, built, model_config)
+    return plan_start(flags, disk), flags, prompts
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    plan: ResumePlan
+    tokenizer: object
+    encode: PromptEncoder
+    actor: Actor
+    engine: LocalEngine
+    data: PromptSource
+    eval_prompts: list[Prompt] | None
+    reward_fn: RewardFn
+    sampling: SamplingParams
+    writer: CheckpointWriter | None
+    metrics: MetricsLog
+    model_config: dict
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.actor.model
+
+
+def _load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
+    if fmt == "hf":
+        return load_causal_lm(path)
+    problems = verify_checkpoint(path)
+    if problems:
+        raise UserError(
+            f"checkpoint {path} is corrupt: {problems[0]}; choose another with --ckpt-step"
+        )
+    model = empty_causal_lm(config_dir)
+    load_model_weights(path, model)
+    return model
+
+
+def build_run(
+    cfg: RunConfig, plan: ResumePlan, flags: StartFlags, prompts: list[Prompt], log
+) -> Run:
+    configure_determinism(cfg.loop.seed, cfg.loop.num_threads)
+    if not cfg.checkpoint.hf_checkpoint:
+        ensure_builtin_model(cfg.data.builtin_task, log=log)
+    config_dir = flags.hf_checkpoint
+    tokenizer = load_tokenizer(config_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = _load_weights(plan.weights_from, plan.weights_format, config_dir)
+    reference = None
+    if cfg.algo.needs_reference:
+        ref_path, ref_fmt = reference_source(flags, gather_disk_state(flags, None))
+        reference = _load_weights(ref_path, ref_fmt, config_dir).requires_grad_(False)
+        log(f"reference model: {ref_path} ({ref_fmt})")
+    optimizer = build_optimizer(model, cfg.optim)
+    steps_per_rollout = (
+        cfg.rollout.samples_per_rollout // cfg.algo.batch_sizes(cfg.rollout.samples_per_rollout)[0]
+    )
+    schedule = build_schedule(cfg.optim, plan.num_rollout * steps_per_rollout)
+    actor = Actor(
+        model,
+        optimizer,
+        schedule,
+        cfg.algo,
+        temperature=cfg.rollout.rollout_temperature or 1.0,
+        group_size=cfg.rollout.n_samples_per_prompt,
+        clip_grad=cfg.optim.clip_grad,
+        reference=reference,
+    )
+    eos = tokenizer.eos_token_id
+    writer = None
+    if cfg.checkpoint.save:
+        writer = CheckpointWriter(
+            cfg.checkpoint.save, cfg.checkpoint.save_keep_last, cfg.checkpoint.async_save
+        )
+    return Run(
+        cfg=cfg,
+        plan=plan,
+        tokenizer=tokenizer,
+        encode=PromptEncoder(tokenizer, cfg.data.apply_chat_template),
+        actor=actor,
+        engine=LocalEngine(model, tokenizer.pad_token_id, eos),
+        data=PromptSource(prompts, cfg.data.rollout_shuffle, cfg.loop.seed),
+        eval_prompts=load_eval_prompts(cfg.data),
+        reward_fn=build_reward_fn(cfg.reward),
+        sampling=SamplingParams(
+            cfg.rollout.rollout_max_response_len,
+            cfg.rollout.rollout_temperature,
+            cfg.rollout.rollout_top_p,
+        ),
+        writer=writer,
+        metrics=MetricsLog(cfg.checkpoint.save, cfg.loop.use_tensorboard),
+        model_config=read_config_json(config_dir),
+    )
+
+
+def restore(run: Run, log) -> None:
+    """Load what the plan says beyond the weights (already loaded by build_run)."""
+    plan = run.plan
+    run.metrics.truncate_from(plan.start_rollout_id)
+    if plan.action != RESUME:
+        return
+    trainer = read_json(plan.weights_from, TRAINER_STATE)
+    run.actor.load_state_dict(trainer["actor"])
+    if plan.load_optimizer:
+        load_optimizer_tensors(plan.weights_from, run.model, run.actor.optimizer)
+    if plan.load_rng:
+        restore_rng_state(load_rng_tensors(plan.weights_from), trainer["rng"])
+    if plan.load_data_state:
+        run.data.load_state_dict(trainer["data"])
+    log(f"restored {plan.weights_from}: optimizer step {run.actor.step}, data {trainer['data']}")
+
+
+def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
+    rng_tensors, rng_plain = capture_rng_state()
+    return CheckpointState(
+        model=run.model.state_dict(),
+        optimizer=optimizer_tensors(run.model, run.actor.optimizer),
+        rng=rng_tensors,
+        trainer={"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain},
+        meta=checkpoint_meta(
+            run.model_config,
+            rollout_id=rollout_id,
+            global_step=run.actor.step,
+            num_threads=run.cfg.loop.num_threads,
+            seed=run.cfg.loop.seed,
+        ),
+    )
+
+
+def checkpoint_meta(model_config: dict, rollout_id: int | None, **extra) -> dict:
+    meta = {
+        "kind": "iteration" if rollout_id is not None else "release",
+        "rollout_id": rollout_id,
+        "next_rollout_id": None if rollout_id is None else rollout_id + 1,
+        "world_size": 1,
+        "model_config": architecture(model_config),
+        "model_config_fingerprint": fingerprint(model_config),
+        "versions": {
+            "mileage": mileage.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "host": socket.gethostname(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    meta.update(extra)
+    return meta

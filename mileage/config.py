@@ -1,0 +1,91 @@
+"""Typed config dataclasses and the small helper that turns their fields into CLI flags.
+
+Each part of mileage declares its own dataclass next to the code it configures (torchtitan style);
+`option()` attaches the flag name and help text to a field, and `add_options`/`from_namespace`
+build the argparse group and read it back. There is no central arguments file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: typing.Sequence[Any] | None = None,
+) -> Any:
+    """A dataclass field that is also a CLI flag (`--field-name` unless `flag` is given).
+
+    A bool field whose default is False becomes a `store_true` switch; one whose default is True
+    needs an explicit negative `flag` such as `--no-load-optim` and becomes `store_false`.
+    """
+    meta = {"help": help, "flag": flag, "choices": choices}
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _base_type(annotation: Any) -> Any:
+    """int | None -> int; leaves plain types alone."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0]
+    return annotation
+
+
+def _flag_name(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """Register every `option()` field of dataclass `cls` as a flag in a group named `title`."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if "help" not in field.metadata:
+            continue
+        name = _flag_name(field)
+        default = (
+            field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        )
+        kind = _base_type(hints[field.name])
+        if kind is bool:
+            action = "store_false" if default else "store_true"
+            if default and not field.metadata.get("flag"):
+                raise TypeError(
+                    f"{cls.__name__}.{field.name}: a True-default bool needs a --no-... flag"
+                )
+            group.add_argument(name, dest=field.name, action=action, help=field.metadata["help"])
+            continue
+        group.add_argument(
+            name,
+            dest=field.name,
+            type=kind,
+            default=default,
+            choices=field.metadata.get("choices"),
+            help=field.metadata["help"],
+            metavar=None if field.metadata.get("choices") else kind.__name__.upper(),
+        )
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
+    """Build dataclass `cls` from the parsed flags (fields without a flag keep their default)."""
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+    return cls(**values)
+
+
+def flag_of(cls: type, field_name: str) -> str:
+    """The CLI spelling of a config field, for error messages that name the flag."""
+    for field in dataclasses.fields(cls):
+        if field.name == field_name:
+            return _flag_name(field)
+    raise KeyError(field_name)

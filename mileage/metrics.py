@@ -1,0 +1,58 @@
+"""Per-rollout metrics: one JSON object per line in RUN_DIR/metrics.jsonl, optionally TensorBoard.
+
+On resume the log is cut back to the rollouts the checkpoint covers, so a run that was killed
+and restarted ends with exactly one record per rollout, like an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+# keys that depend on wall-clock time, not on the computation
+TIMING_KEYS = frozenset({"time", "step_time", "gen_time", "train_time", "tokens_per_s"})
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLog:
+    def __init__(self, run_dir: str | Path | None, tensorboard: bool = False):
+        self.path = Path(run_dir) / METRICS_FILE if run_dir else None
+        self.writer = None
+        if tensorboard and run_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def truncate_from(self, rollout_id: int) -> None:
+        """Drop records of rollouts >= `rollout_id` (they will be produced again)."""
+        if self.path is None or not self.path.is_file():
+            return
+        kept = [r for r in read_metrics(self.path.parent) if r["rollout_id"] < rollout_id]
+        temp = self.path.with_suffix(".tmp")
+        temp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        os.replace(temp, self.path)
+
+    def log(self, record: dict) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(record, sort_keys=True) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, int | float) and key != "rollout_id":
+                    self.writer.add_scalar(key, value, record["rollout_id"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

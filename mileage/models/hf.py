@@ -1,0 +1,54 @@
+"""Loading Hugging Face causal LMs and tokenizers from local directories (never from a hub)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from mileage.errors import UserError  # noqa: E402
+
+hf_logging.disable_progress_bar()
+
+
+def read_config_json(path: str | Path) -> dict:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise UserError(
+            f"{path} has no config.json; --hf-checkpoint must be a Hugging Face model directory"
+        )
+    try:
+        return json.loads(file.read_text())
+    except ValueError as exc:
+        raise UserError(f"{file} is not valid JSON ({exc})") from None
+
+
+def load_tokenizer(path: str | Path):
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load a tokenizer from {path}: {exc}") from None
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Weights and architecture from an HF directory."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load a causal LM from {path}: {exc}") from None
+    return model.eval()
+
+
+def empty_causal_lm(config_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The architecture of `config_dir` with uninitialised-then-overwritten weights (for native loads)."""
+    config = AutoConfig.from_pretrained(str(config_dir))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()

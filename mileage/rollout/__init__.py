@@ -1,0 +1,1 @@
+"""Rollout: prompt data, generation engines and rewards."""

@@ -1,0 +1,97 @@
+"""One rollout: sample answers for a batch of prompts with the current policy and score them.
+
+Sampling for rollout N draws from a generator seeded by (seed, N), so a resumed run generates
+exactly what the uninterrupted run generated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mileage.config import option
+from mileage.rollout.data import Prompt
+from mileage.rollout.engine import LocalEngine, SamplingParams
+from mileage.rollout.rewards import RewardFn, score_all
+from mileage.seeding import generator_for
+
+
+@dataclass
+class RolloutConfig:
+    rollout_batch_size: int = option(16, "prompts per rollout")
+    n_samples_per_prompt: int = option(8, "answers sampled per prompt (the GRPO group size)")
+    rollout_temperature: float = option(1.0, "sampling temperature")
+    rollout_top_p: float = option(1.0, "nucleus sampling mass")
+    rollout_max_response_len: int = option(8, "max new tokens per answer")
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+@dataclass
+class Sample:
+    prompt: Prompt
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # of the generating policy, per response token
+    response: str
+    reward: float
+    finished: bool
+
+
+class PromptEncoder:
+    """Turns prompt text into token ids, with the chat template when asked for."""
+
+    def __init__(self, tokenizer, chat_template: bool):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def __call__(self, text: str) -> list[int]:
+        if self.chat_template:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
+        return self.tokenizer(text)["input_ids"]
+
+
+def generate_samples(
+    engine: LocalEngine,
+    encode: PromptEncoder,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    n_samples: int,
+    reward_fn: RewardFn,
+    seed: int,
+    rollout_id: int,
+) -> list[Sample]:
+    """`n_samples` scored answers per prompt; the samples of one prompt are contiguous."""
+    expanded = [p for p in prompts for _ in range(n_samples)]
+    ids = [encode(p.text) for p in expanded]
+    completions = engine.generate(ids, params, generator_for(seed, "rollout", rollout_id))
+    decode = encode.tokenizer.decode
+    texts = [decode(c.response_ids, skip_special_tokens=True) for c in completions]
+    rewards = score_all(
+        reward_fn, [(p.text, t, p.label) for p, t in zip(expanded, texts, strict=True)]
+    )
+    return [
+        Sample(p, c.prompt_ids, c.response_ids, c.logprobs, t, r, c.finished)
+        for p, c, t, r in zip(expanded, completions, texts, rewards, strict=True)
+    ]
+
+
+def evaluate(
+    engine: LocalEngine,
+    encode: PromptEncoder,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    reward_fn: RewardFn,
+) -> float:
+    """Greedy accuracy (mean reward) on held-out prompts."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    samples = generate_samples(engine, encode, prompts, params, 1, reward_fn, seed=0, rollout_id=0)
+    return sum(s.reward for s in samples) / max(1, len(samples))

@@ -1,0 +1,64 @@
+"""Built-in procedurally generated tasks with verifiable answers.
+
+`addition`: two 2-digit numbers, answer written least-significant digit first ("07+45=" -> "25"),
+which makes carries learnable left to right. `reversal`: reverse a short lowercase string
+("abcd>" -> "dcba"). Every split is a pure function of the task name, so any machine builds the
+same prompts in the same order.
+"""
+
+from __future__ import annotations
+
+import random
+
+TASKS = ("addition", "reversal", "mixed")
+HELD_OUT_SIZE = 500
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _addition() -> list[dict[str, str]]:
+    return [
+        {"prompt": f"{a:02d}+{b:02d}=", "label": str(a + b)[::-1]}
+        for a in range(100)
+        for b in range(100)
+    ]
+
+
+def _reversal(count: int = 10_000) -> list[dict[str, str]]:
+    rng = random.Random("mileage-reversal")
+    seen: set[str] = set()
+    records = []
+    while len(records) < count:
+        text = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 6)))
+        if text not in seen:
+            seen.add(text)
+            records.append({"prompt": f"{text}>", "label": text[::-1]})
+    return records
+
+
+def _split(records: list[dict[str, str]], name: str) -> tuple[list, list]:
+    order = list(range(len(records)))
+    random.Random(f"mileage-split-{name}").shuffle(order)
+    held = set(order[:HELD_OUT_SIZE])
+    train = [r for i, r in enumerate(records) if i not in held]
+    test = [records[i] for i in sorted(held)]
+    return train, test
+
+
+def builtin_task(name: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(train, held-out) records with keys `prompt` and `label` for a built-in task."""
+    if name == "addition":
+        return _split(_addition(), name)
+    if name == "reversal":
+        return _split(_reversal(), name)
+    if name == "mixed":
+        add_train, add_test = builtin_task("addition")
+        rev_train, rev_test = builtin_task("reversal")
+        half = HELD_OUT_SIZE // 2
+        train = [r for pair in zip(add_train, rev_train, strict=False) for r in pair]
+        return train, add_test[:half] + rev_test[:half]
+    raise ValueError(f"unknown built-in task {name!r}; choose from {', '.join(TASKS)}")
+
+
+def builtin_alphabet() -> str:
+    """Every character any built-in prompt or answer uses."""
+    return "0123456789+=>" + LETTERS

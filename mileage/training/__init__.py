@@ -1,0 +1,1 @@
+"""Training: advantages, losses, optimizer/LR schedule and the actor that applies updates."""

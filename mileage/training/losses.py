@@ -1,0 +1,67 @@
+"""Token log-probs, the PPO-clip policy loss, KL estimators and entropy.
+
+Losses return *sums* over tokens; the actor divides by the number of response tokens in the
+whole global batch, so gradient accumulation over micro-batches gives the same update as one
+big batch (token-level aggregation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) per position (and the entropy of each position's distribution).
+
+    `logits[:, i]` scores `targets[:, i]`. The log-prob is gathered before normalising
+    (logit - logsumexp), so the full log-softmax is only built when entropy is requested.
+    """
+    logits = logits.float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    norm = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm
+    entropy = None
+    if with_entropy:
+        log_probs = logits - norm.unsqueeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logp, entropy
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3)."""
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        # clamp keeps exp() finite when the two policies disagree wildly on a token
+        return (torch.exp(-log_ratio.clamp(-20, 20)) - 1) + log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum over response tokens of max(-A*r, -A*clip(r, 1-eps, 1+eps_high)); plus clip statistics."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": ((clipped > unclipped).float() * mask).sum(),
+            "ratio": (ratio * mask).sum(),
+        }
+    return (per_token * mask).sum(), stats
