@@ -312,7 +312,7 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         value = tensors[name].detach().cpu().contiguous()
         digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
-        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

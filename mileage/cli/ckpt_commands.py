@@ -1,7 +1,95 @@
-"""`mileage ckpt ls|verify`: inspect checkpoints without training."""
+"""Checkpoint subcommands: `ckpt ls`, `ckpt verify`, `convert`, `export-hf`."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+
+from mileage.checkpoint.layout import checkpoint_path, read_tracker
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from mileage.checkpoint.inspect import list_checkpoints
+
+    rows = list_checkpoints(args.dir, digests=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(
+        f"{'name':<14} {'rollout':>7} {'size':>10} {'complete':>8} {'tracked':>7}  model_digest      optimizer_digest"
+    )
+    for row in rows:
+        rollout = "-" if row["rollout_id"] is None else row["rollout_id"]
+        print(
+            f"{row['name']:<14} {rollout:>7} {row['size_bytes'] / 1e6:>8.1f}MB {str(row['complete']):>8} "
+            f"{'*' if row['tracked'] else '':>7}  {(row['model_digest'] or '-')[:16]:<16}  "
+            f"{(row['optimizer_digest'] or '-')[:16]}"
+        )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from mileage.checkpoint.inspect import verify_save_dir
+
+    checked, problems = verify_save_dir(args.dir, args.ckpt_step)
+    for problem in problems:
+        print(f"CORRUPT {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"ok: {len(checked)} checkpoint(s) verified ({', '.join(checked) or 'none'})")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from mileage.checkpoint.hf_export import write_release
+
+    path = write_release(args.hf_checkpoint, args.save)
+    print(
+        f"wrote {path} (tracker: release); start from it with --megatron-to-hf-mode raw --ref-load {args.save}"
+    )
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from mileage.checkpoint.hf_export import export_hf
+    from mileage.errors import UserError
+
+    step = args.ckpt_step
+    if step is None:
+        tracker = read_tracker(args.load)
+        if not tracker.valid:
+            raise UserError(f"{args.load} has no valid tracker; pass --ckpt-step")
+        step = "release" if tracker.release else tracker.iteration
+    out = export_hf(checkpoint_path(args.load, step), args.hf_checkpoint, args.out)
+    print(f"wrote {out}")
+    return 0
+
 
 def register(sub) -> None:
-    pass
+    ckpt = sub.add_parser("ckpt", help="inspect checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=type(ckpt))
+    ls = ckpt_sub.add_parser("ls", help="list checkpoints with digests")
+    ls.add_argument("dir")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_ls)
+    verify = ckpt_sub.add_parser(
+        "verify", help="check manifests and checksums (exit 1 on corruption)"
+    )
+    verify.add_argument("dir")
+    verify.add_argument("--ckpt-step", type=int)
+    verify.set_defaults(func=_verify)
+
+    convert = sub.add_parser("convert", help="HF weights -> SAVE/release (raw-mode starting point)")
+    convert.add_argument("--hf-checkpoint", required=True)
+    convert.add_argument("--save", required=True)
+    convert.set_defaults(func=_convert)
+
+    export = sub.add_parser("export-hf", help="a checkpoint's weights -> an HF directory")
+    export.add_argument("--load", required=True)
+    export.add_argument("--ckpt-step", type=int)
+    export.add_argument(
+        "--hf-checkpoint", required=True, help="config and tokenizer to export with"
+    )
+    export.add_argument("--out", required=True)
+    export.set_defaults(func=_export_hf)

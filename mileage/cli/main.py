@@ -37,6 +37,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from mileage.plot import plot_metrics
+
+    print(f"wrote {plot_metrics(args.run_dir, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mileage.cli import ckpt_commands
     from mileage.run_config import RunConfig
@@ -54,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     ckpt_commands.register(sub)
+
+    plot = sub.add_parser("plot", help="PNG of a run's per-rollout metrics")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
+    plot.set_defaults(func=_cmd_plot)
     return parser
 
 

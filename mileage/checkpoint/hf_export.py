@@ -1,0 +1,75 @@
+"""Crossing between native checkpoints and Hugging Face directories.
+
+`write_release` makes SAVE/release from HF weights (`mileage convert`, the raw-mode starting
+point); `export_hf` writes a native checkpoint's weights as an HF directory (`--save-hf`,
+`mileage export-hf`). Both write to a temporary name and rename, so a reader never sees half.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mileage.checkpoint.layout import RELEASE, scan_dir
+from mileage.checkpoint.store import (
+    CheckpointState,
+    commit_checkpoint,
+    load_model_weights,
+    verify_checkpoint,
+)
+from mileage.errors import UserError
+from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
+
+
+def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
+    """save_pretrained(model + tokenizer) into `out`, atomically; replaces an existing `out`."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(staging, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def write_release(hf_checkpoint: str | Path, save_dir: str | Path) -> Path:
+    """SAVE/release + tracker 'release' from an HF model: weights only, nothing to resume."""
+    from mileage.components import checkpoint_meta
+
+    state = scan_dir(save_dir)
+    if state.exists and (state.checkpoints or state.tracker.exists):
+        raise UserError(
+            f"{save_dir} already holds checkpoints or a tracker; convert into an empty directory"
+        )
+    model = load_causal_lm(hf_checkpoint)
+    meta = checkpoint_meta(
+        read_config_json(hf_checkpoint), rollout_id=None, source=str(hf_checkpoint)
+    )
+    return commit_checkpoint(
+        save_dir, RELEASE, CheckpointState(model=model.state_dict(), meta=meta)
+    )
+
+
+def export_hf(checkpoint: str | Path, hf_checkpoint: str | Path, out: str | Path) -> Path:
+    """Weights of a native checkpoint + config/tokenizer of `hf_checkpoint` -> an HF directory."""
+    problems = verify_checkpoint(checkpoint)
+    if problems:
+        raise UserError(f"checkpoint {checkpoint} is not usable: {problems[0]}")
+    model = empty_causal_lm(hf_checkpoint)
+    load_model_weights(checkpoint, model)
+    return write_hf_dir(model, load_tokenizer(hf_checkpoint), out)

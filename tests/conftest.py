@@ -1,0 +1,65 @@
+"""Shared fixtures: an isolated MILEAGE_HOME, a tiny random HF model, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def mileage_home(tmp_path_factory) -> Path:
+    """One cache per test session, so the built-in model is built at most once."""
+    home = Path(os.environ.get("MILEAGE_TEST_HOME") or tmp_path_factory.mktemp("mileage_home"))
+    os.environ["MILEAGE_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> Path:
+    """A small random-init Llama with the built-in char tokenizer, saved as an HF directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mileage.models.tiny import build_char_tokenizer
+    from mileage.rollout.tasks import builtin_alphabet
+
+    out = tmp_path_factory.mktemp("tiny_hf")
+    tok = build_char_tokenizer(builtin_alphabet())
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m mileage ARGS` in a subprocess; returns the completed process (text mode)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "mileage", *map(str, args)],
+        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO,
+    )
+
+
+@pytest.fixture
+def cli(mileage_home):
+    return run_cli
+
+
+def fast_train_args(hf_dir: Path, *extra: str) -> list[str]:
+    """Flags for a seconds-long `mileage train` on the tiny random model."""
+    return [
+        "--hf-checkpoint", str(hf_dir), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "4", "--eval-interval", "0", "--num-threads", "1", *extra,
+    ]
