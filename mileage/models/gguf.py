@@ -126,9 +126,8 @@ def convert_gguf(
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.dtype = dtype
     with no_init_weights():  # random init of 135M params costs ~6 s and is overwritten anyway
-        model = type(loaded)(config)
+        model = type(loaded)(config).to(dtype)  # the constructor ignores config.dtype
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.tie_weights()  # no_init_weights also skips the tying
     model.generation_config = loaded.generation_config
