@@ -61,7 +61,7 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
         run.engine.update_weights(run.model)
         trained = time.perf_counter()
 
-        record = rollout_record(rollout_id, samples, stats, started, generated, trained)
+        record = rollout_record(rollout_id, prompts, samples, stats, started, generated, trained)
         if eval_due(run, rollout_id):
             progress.phase(rollout_id, "eval")
             record["eval_accuracy"] = run_eval(run)
@@ -73,6 +73,9 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             record["saved"] = True
         progress.done(record)
         records.append(record)
+        if len(records) == cfg.loop.debug_exit_after_rollout:
+            progress.print(f"stopping after {len(records)} rollouts (--debug-exit-after-rollout)")
+            break
 
     if run.writer is not None:
         run.writer.wait()
@@ -81,7 +84,7 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
 
 
 def rollout_record(
-    rollout_id: int, samples, stats: dict, started: float, generated: float, trained: float
+    rollout_id: int, prompts, samples, stats: dict, started: float, generated: float, trained: float
 ) -> dict:
     rewards = [s.reward for s in samples]
     response_tokens = sum(len(s.response_ids) for s in samples)
@@ -90,6 +93,7 @@ def rollout_record(
         "reward_mean": sum(rewards) / len(rewards),
         "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
         "response_len": response_tokens / len(samples),
+        "prompt_indices": [p.index for p in prompts],
         **stats,
         "tokens_per_s": response_tokens / max(generated - started, 1e-9),
         "gen_time": generated - started,

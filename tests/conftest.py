@@ -32,9 +32,16 @@ def tiny_hf(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_hf")
     tok = build_char_tokenizer(builtin_alphabet())
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
     torch.manual_seed(0)
@@ -43,12 +50,18 @@ def tiny_hf(tmp_path_factory) -> Path:
     return out
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """`python -m mileage ARGS` in a subprocess; returns the completed process (text mode)."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "mileage", *map(str, args)],
-        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=REPO,
     )
 
 
@@ -60,6 +73,17 @@ def cli(mileage_home):
 def fast_train_args(hf_dir: Path, *extra: str) -> list[str]:
     """Flags for a seconds-long `mileage train` on the tiny random model."""
     return [
-        "--hf-checkpoint", str(hf_dir), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-        "--rollout-max-response-len", "4", "--eval-interval", "0", "--num-threads", "1", *extra,
+        "--hf-checkpoint",
+        str(hf_dir),
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "4",
+        "--eval-interval",
+        "0",
+        "--num-threads",
+        "1",
+        *extra,
     ]

@@ -23,13 +23,18 @@ def plan(capsys, *args: str) -> tuple[int, dict | str]:
     return code, (json.loads(out) if code == 0 else err.strip())
 
 
-def make_checkpoint(save_dir: Path, rollout_id, hf_dir: Path, config_override: dict | None = None) -> Path:
+def make_checkpoint(
+    save_dir: Path, rollout_id, hf_dir: Path, config_override: dict | None = None
+) -> Path:
     """A real, committed (tiny) checkpoint: enough for the planner, which never reads tensors."""
     config = {**architecture(read_config_json(hf_dir)), **(config_override or {})}
     state = CheckpointState(
         model={"w": torch.zeros(2)},
         optimizer=None if rollout_id == "release" else {"w.exp_avg": torch.zeros(2)},
-        meta={"rollout_id": None if rollout_id == "release" else rollout_id, "model_config": config},
+        meta={
+            "rollout_id": None if rollout_id == "release" else rollout_id,
+            "model_config": config,
+        },
     )
     return commit_checkpoint(save_dir, rollout_id, state)
 
@@ -43,11 +48,22 @@ def test_no_load_is_a_fresh_start_from_hf(capsys, base, tiny_hf):
     code, p = plan(capsys, *base)
     assert code == 0
     assert p["action"] == "fresh" and p["start_rollout_id"] == 0
-    assert p["weights_from"] == str(tiny_hf) and p["weights_format"] == "hf" and p["iteration"] is None
+    assert (
+        p["weights_from"] == str(tiny_hf) and p["weights_format"] == "hf" and p["iteration"] is None
+    )
     assert not (p["load_optimizer"] or p["load_rng"] or p["load_data_state"])
     assert set(p) == {
-        "action", "mode", "weights_from", "weights_format", "iteration", "start_rollout_id",
-        "num_rollout", "load_optimizer", "load_rng", "load_data_state", "reasons",
+        "action",
+        "mode",
+        "weights_from",
+        "weights_format",
+        "iteration",
+        "start_rollout_id",
+        "num_rollout",
+        "load_optimizer",
+        "load_rng",
+        "load_data_state",
+        "reasons",
     }
 
 
@@ -137,7 +153,9 @@ def test_explicit_start_on_resume_wins_with_a_warning(capsys, base, tmp_path, ti
 
 
 @pytest.mark.parametrize("content", ["", "\n", "latest", "-1", "3.5", "1 2"])
-def test_invalid_tracker_is_refused_and_nothing_is_deleted(capsys, base, tmp_path, tiny_hf, content):
+def test_invalid_tracker_is_refused_and_nothing_is_deleted(
+    capsys, base, tmp_path, tiny_hf, content
+):
     make_checkpoint(tmp_path, 0, tiny_hf)
     (tmp_path / TRACKER).write_text(content)
     before = sorted(os.listdir(tmp_path))
@@ -195,13 +213,17 @@ def test_save_with_foreign_checkpoints_is_refused(capsys, base, tmp_path, tiny_h
     make_checkpoint(tmp_path / "other", 0, tiny_hf)
     code, err = plan(capsys, *base, "--save", save, "--load", tmp_path / "other")  # load elsewhere
     assert code == 2 and "already holds checkpoints" in err
-    code, err = plan(capsys, *base, "--save", save, "--load", save, "--finetune")  # finetune into it
+    code, err = plan(
+        capsys, *base, "--save", save, "--load", save, "--finetune"
+    )  # finetune into it
     assert code == 2 and "already holds checkpoints" in err
     code, p = plan(capsys, *base, "--save", save, "--load", save)  # continuing it is fine
     assert code == 0 and p["action"] == "resume"
 
 
-def test_mode_contradicting_the_directory_format_names_the_right_mode(capsys, base, tmp_path, tiny_hf):
+def test_mode_contradicting_the_directory_format_names_the_right_mode(
+    capsys, base, tmp_path, tiny_hf
+):
     make_checkpoint(tmp_path / "native", "release", tiny_hf)
     code, err = plan(capsys, *base, "--ref-load", tmp_path / "native")
     assert code == 2 and "--megatron-to-hf-mode raw" in err
@@ -215,8 +237,14 @@ def test_mode_contradicting_the_directory_format_names_the_right_mode(capsys, ba
 def test_raw_mode_uses_ref_ckpt_step(capsys, base, tmp_path, tiny_hf):
     for i in range(2):
         make_checkpoint(tmp_path, i, tiny_hf)
-    code, p = plan(capsys, *base, "--megatron-to-hf-mode", "raw", "--ref-load", tmp_path, "--ref-ckpt-step", 0)
-    assert code == 0 and p["weights_from"] == str(tmp_path / "iter_0000000") and p["start_rollout_id"] == 0
+    code, p = plan(
+        capsys, *base, "--megatron-to-hf-mode", "raw", "--ref-load", tmp_path, "--ref-ckpt-step", 0
+    )
+    assert (
+        code == 0
+        and p["weights_from"] == str(tmp_path / "iter_0000000")
+        and p["start_rollout_id"] == 0
+    )
     assert not p["load_optimizer"]
 
 

@@ -45,7 +45,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mileage.cli import ckpt_commands
+    from mileage.cli import ckpt_commands, model_commands
     from mileage.run_config import RunConfig
 
     parser = _Parser(prog="mileage", description="RL post-training with exact resume.")
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     ckpt_commands.register(sub)
+    model_commands.register(sub)
 
     plot = sub.add_parser("plot", help="PNG of a run's per-rollout metrics")
     plot.add_argument("run_dir")

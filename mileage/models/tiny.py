@@ -26,7 +26,7 @@ from mileage.rollout.tasks import builtin_alphabet, builtin_task
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 WARMUP_RECIPE = {
     "seed": 1234,
-    "steps": 180,
+    "steps": 190,
     "batch_size": 128,
     "lr": 1e-3,
     "warmup_steps": 100,

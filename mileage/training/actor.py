@@ -146,7 +146,7 @@ class Actor:
         all_tokens = float(batch.loss_mask.sum().clamp(min=1.0))
         result = {key: value / all_tokens for key, value in totals.items()}
         result.update(
-            grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], optimizer_steps=len(lrs)
+            grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], lrs=lrs, global_step=self.step
         )
         return result
 

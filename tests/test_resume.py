@@ -1,0 +1,101 @@
+"""Real `mileage train` runs that stop and resume: start id, LR sequence, data order, tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import fast_train_args
+
+from mileage.checkpoint.inspect import list_checkpoints
+from mileage.metrics import TIMING_KEYS, read_metrics
+from mileage.training.optimizer import LRSchedule
+
+# two optimizer steps per rollout, warmup then cosine decay: any double-step or skip shows up
+SCHEDULE = [
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "3",
+    "--lr-decay-style",
+    "cosine",
+    "--rollout-shuffle",
+]
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def final_digests(save: Path) -> tuple[str, str]:
+    last = [r for r in list_checkpoints(save) if r["tracked"]][0]
+    return last["model_digest"], last["optimizer_digest"]
+
+
+def test_second_run_with_load_starts_at_rollout_2(cli, tiny_hf, tmp_path):
+    save = tmp_path / "run"
+    args = ["train", *fast_train_args(tiny_hf), "--save", save, "--load", save]
+    first = cli(*args, "--num-rollout", 2)
+    assert first.returncode == 0, first.stderr
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    second = cli(*args, "--num-rollout", 4)
+    assert second.returncode == 0, second.stderr
+    assert "resume at rollout 2 of 4" in second.stdout
+    assert "rollout 0 |" not in second.stdout and "rollout 2 |" in second.stdout
+    assert [r["rollout_id"] for r in read_metrics(save)] == [0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_hf, tmp_path_factory, mileage_home):
+    from conftest import run_cli
+
+    save = tmp_path_factory.mktemp("straight")
+    done = run_cli(
+        "train",
+        *fast_train_args(tiny_hf, *SCHEDULE),
+        "--num-rollout",
+        4,
+        "--save-interval",
+        1,
+        "--save",
+        save,
+        "--load",
+        save,
+    )
+    assert done.returncode == 0, done.stderr
+    return save
+
+
+def test_resume_after_every_rollout_matches_uninterrupted_run(
+    cli, tiny_hf, tmp_path, uninterrupted
+):
+    save = tmp_path / "stepwise"
+    args = [
+        "train",
+        *fast_train_args(tiny_hf, *SCHEDULE),
+        "--num-rollout",
+        4,
+        "--save-interval",
+        1,
+        "--save",
+        save,
+        "--load",
+        save,
+        "--debug-exit-after-rollout",
+        1,
+    ]
+    for expected_start in range(4):
+        step = cli(*args)
+        assert step.returncode == 0, step.stderr
+        assert f"at rollout {expected_start} of 4" in step.stdout
+    straight, stepwise = read_metrics(uninterrupted), read_metrics(save)
+    assert [r["lrs"] for r in stepwise] == [r["lrs"] for r in straight]
+    assert [r["prompt_indices"] for r in stepwise] == [r["prompt_indices"] for r in straight]
+    schedule = LRSchedule(peak=1e-3, minimum=0.0, warmup=3, decay_style="cosine", decay_steps=8)
+    assert [lr for r in straight for lr in r["lrs"]] == [schedule.lr_at(i) for i in range(8)]
+    assert comparable(stepwise) == comparable(straight)
+    assert final_digests(save) == final_digests(uninterrupted)
