@@ -90,7 +90,7 @@ class Run:
     tokenizer: object
     encode: PromptEncoder
     actor: Actor
-    engine: LocalEngine
+    engine: LocalEngine | None  # None when replaying saved rollout data
     data: PromptSource
     eval_prompts: list[Prompt] | None
     reward_fn: RewardFn
@@ -160,7 +160,9 @@ def build_run(
         tokenizer=tokenizer,
         encode=PromptEncoder(tokenizer, cfg.data.apply_chat_template),
         actor=actor,
-        engine=LocalEngine(model, tokenizer.pad_token_id, eos),
+        engine=None
+        if cfg.rollout.load_debug_rollout_data
+        else LocalEngine(model, tokenizer.pad_token_id, eos),
         data=PromptSource(prompts, cfg.data.rollout_shuffle, cfg.loop.seed),
         eval_prompts=load_eval_prompts(cfg.data),
         reward_fn=build_reward_fn(cfg.reward),

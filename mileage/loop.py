@@ -4,6 +4,7 @@ for each rollout_id in [start_rollout_id, num_rollout):
     take the next prompts, sample n answers each with the current policy, score them,
     turn rewards into advantages and train the policy on them,
     log, save on schedule, hand the new weights to the generator, evaluate on schedule.
+A SIGTERM/SIGINT or the sentinel file makes the current rollout the last one saved.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import time
 
 from mileage.components import Run, checkpoint_state, restore
+from mileage.preemption import PreemptionGuard
 from mileage.progress import RunProgress
-from mileage.rollout.rollout import evaluate, generate_samples
+from mileage.rollout.rollout import evaluate, generate_samples, load_samples, save_samples
 from mileage.training.batch import pack_samples
 
 
 def run_eval(run: Run) -> float | None:
-    if not run.eval_prompts:
+    if not run.eval_prompts or run.engine is None:
         return None
     max_len = run.cfg.rollout.rollout_max_response_len
     return evaluate(run.engine, run.encode, run.eval_prompts, max_len, run.reward_fn)
@@ -26,7 +28,28 @@ def run_eval(run: Run) -> float | None:
 def eval_due(run: Run, rollout_id: int) -> bool:
     interval = run.cfg.loop.eval_interval
     last = rollout_id == run.plan.num_rollout - 1
-    return bool(interval) and ((rollout_id + 1) % interval == 0 or last)
+    return bool(interval) and run.engine is not None and ((rollout_id + 1) % interval == 0 or last)
+
+
+def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
+    rc = run.cfg.rollout
+    if rc.load_debug_rollout_data:
+        return load_samples(
+            rc.load_debug_rollout_data, rollout_id, prompts, rc.n_samples_per_prompt
+        )
+    samples = generate_samples(
+        run.engine,
+        run.encode,
+        prompts,
+        run.sampling,
+        rc.n_samples_per_prompt,
+        run.reward_fn,
+        run.cfg.loop.seed,
+        rollout_id,
+    )
+    if rc.save_debug_rollout_data:
+        save_samples(rc.save_debug_rollout_data, rollout_id, samples)
+    return samples
 
 
 def train(run: Run, progress: RunProgress) -> list[dict]:
@@ -38,48 +61,63 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
         and plan.start_rollout_id == 0
         and not cfg.loop.skip_eval_before_train
     ):
-        progress.print(f"eval before training: accuracy {run_eval(run):.3f}")
+        accuracy = run_eval(run)
+        if accuracy is not None:
+            progress.print(f"eval before training: accuracy {accuracy:.3f}")
 
-    for rollout_id in range(plan.start_rollout_id, plan.num_rollout):
-        started = time.perf_counter()
-        progress.phase(rollout_id, "generate")
-        prompts = run.data.next_batch(cfg.rollout.rollout_batch_size)
-        samples = generate_samples(
-            run.engine,
-            run.encode,
-            prompts,
-            run.sampling,
-            cfg.rollout.n_samples_per_prompt,
-            run.reward_fn,
-            cfg.loop.seed,
-            rollout_id,
-        )
-        generated = time.perf_counter()
+    stop_reason = None
+    with PreemptionGuard(cfg.loop.save_trigger_sentinel) as preempt:
+        for rollout_id in range(plan.start_rollout_id, plan.num_rollout):
+            started = time.perf_counter()
+            progress.phase(rollout_id, "generate")
+            prompts = run.data.next_batch(cfg.rollout.rollout_batch_size)
+            samples = rollout_samples(run, rollout_id, prompts)
+            generated = time.perf_counter()
 
-        progress.phase(rollout_id, "train")
-        stats = run.actor.train_rollout(pack_samples(samples, run.tokenizer.pad_token_id))
-        run.engine.update_weights(run.model)
-        trained = time.perf_counter()
+            progress.phase(rollout_id, "train")
+            stats = run.actor.train_rollout(pack_samples(samples, run.tokenizer.pad_token_id))
+            if run.engine is not None:
+                run.engine.update_weights(run.model)
+            trained = time.perf_counter()
 
-        record = rollout_record(rollout_id, prompts, samples, stats, started, generated, trained)
-        if eval_due(run, rollout_id):
-            progress.phase(rollout_id, "eval")
-            record["eval_accuracy"] = run_eval(run)
-        run.metrics.log(record)  # before the save: a resume cuts the log back to the checkpoint
+            record = rollout_record(
+                rollout_id, prompts, samples, stats, started, generated, trained
+            )
+            if eval_due(run, rollout_id):
+                progress.phase(rollout_id, "eval")
+                record["eval_accuracy"] = run_eval(run)
+            run.metrics.log(record)  # before the save: a resume cuts the log back to the checkpoint
 
-        if cfg.checkpoint.should_save(rollout_id, plan.num_rollout):
-            progress.phase(rollout_id, "save")
-            run.writer.save(rollout_id, checkpoint_state(run, rollout_id))
-            record["saved"] = True
-        progress.done(record)
-        records.append(record)
-        if len(records) == cfg.loop.debug_exit_after_rollout:
-            progress.print(f"stopping after {len(records)} rollouts (--debug-exit-after-rollout)")
-            break
+            # decided once: a signal arriving after this line stops (and saves) the next rollout
+            if preempt.stop_requested:
+                stop_reason = preempt.signal_name
+            elif len(records) + 1 == cfg.loop.debug_exit_after_rollout:
+                stop_reason = "--debug-exit-after-rollout"
+            sentinel = preempt.sentinel_present()
+            scheduled = cfg.checkpoint.should_save(rollout_id, plan.num_rollout)
+            if run.writer is not None and (scheduled or sentinel or stop_reason):
+                progress.phase(rollout_id, "save")
+                run.writer.save(rollout_id, checkpoint_state(run, rollout_id))
+                record["saved"] = True
+            if sentinel:
+                preempt.clear_sentinel()
+            progress.done(record)
+            records.append(record)
 
-    if run.writer is not None:
-        run.writer.wait()
+            if stop_reason:
+                break
+        if run.writer is not None:
+            run.writer.wait()
     run.metrics.close()
+    if stop_reason:
+        where = (
+            f"rerun the same command to resume at rollout {records[-1]['rollout_id'] + 1}"
+            if run.writer is not None
+            else "nothing was saved (no --save)"
+        )
+        progress.print(
+            f"stopped after rollout {records[-1]['rollout_id']} ({stop_reason}); {where}"
+        )
     return records
 
 

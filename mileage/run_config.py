@@ -31,6 +31,9 @@ class LoopConfig:
         min(2, os.cpu_count() or 1), "torch CPU threads (fixed, so results are reproducible)"
     )
     use_tensorboard: bool = option(False, "also log metrics to SAVE/tensorboard")
+    save_trigger_sentinel: str | None = option(
+        None, "if this file exists at the end of a rollout: save, then delete it"
+    )
     debug_exit_after_rollout: int | None = option(
         None, "stop (exit 0) after this many rollouts in this process, as if preempted"
     )

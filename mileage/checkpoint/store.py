@@ -167,7 +167,7 @@ def load_tensors(
 
 def _write_contents(directory: Path, state: CheckpointState) -> None:
     save_tensors(state.model, directory / MODEL_DIR)
-    fault_point("save_after_model")
+    fault_point("save_after_model", directory)
     if state.optimizer is not None:
         save_tensors(state.optimizer, directory / OPTIMIZER_DIR)
     if state.rng:
@@ -193,7 +193,7 @@ def commit_checkpoint(save_dir: str | Path, name: int | str, state: CheckpointSt
         save_dir.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
         _write_contents(staging, state)
-        fault_point("commit_before_rename")
+        fault_point("commit_before_rename", staging)
         if target.exists():
             # a complete checkpoint the tracker does not name (e.g. a kill between rename and
             # tracker); it is superseded by this one

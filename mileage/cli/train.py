@@ -1,7 +1,10 @@
-"""`mileage train`: print the plan, then build the run and drive the loop."""
+"""`mileage train`: print the plan, take the save directory's lock, build the run, drive the loop."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+from mileage.checkpoint.lock import SaveDirLock
 from mileage.checkpoint.plan import COMPLETE
 from mileage.checkpoint.store import remove_leftovers
 from mileage.components import build_run, make_plan
@@ -17,12 +20,24 @@ def train_command(cfg: RunConfig) -> int:
     if plan.action == COMPLETE:
         progress.print(f"run already complete ({plan.num_rollout} of {plan.num_rollout} rollouts)")
         return 0
-    if cfg.checkpoint.save:
-        for name in remove_leftovers(cfg.checkpoint.save):
-            progress.print(f"removed leftover of an interrupted save: {name}")
-    run = build_run(cfg, plan, flags, prompts, progress.print)
-    with progress:
-        records = train(run, progress)
-    if records and "eval_accuracy" in records[-1]:
+    save = cfg.checkpoint.save
+    with SaveDirLock(save) if save else nullcontext() as lock:
+        if lock is not None and lock.previous_holder:
+            holder = lock.previous_holder
+            progress.print(
+                f"took over a stale lock of {save} (pid {holder.get('pid')} on {holder.get('host')} is gone)"
+            )
+        if save:
+            for name in remove_leftovers(save):
+                progress.print(f"removed leftover of an interrupted save: {name}")
+            # the plan was made before taking the lock; another run may have moved the tracker
+            fresh_plan, flags, prompts = make_plan(cfg)
+            if fresh_plan != plan:
+                plan = fresh_plan
+                progress.print(plan.describe())
+        run = build_run(cfg, plan, flags, prompts, progress.print)
+        with progress:
+            records = train(run, progress)
+    if records and records[-1].get("eval_accuracy") is not None:
         progress.print(f"final eval accuracy {records[-1]['eval_accuracy']:.3f}")
     return 0

@@ -6,9 +6,13 @@ exactly what the uninterrupted run generated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from mileage.config import option
+from mileage.errors import UserError
 from mileage.rollout.data import Prompt
 from mileage.rollout.engine import LocalEngine, SamplingParams
 from mileage.rollout.rewards import RewardFn, score_all
@@ -22,6 +26,12 @@ class RolloutConfig:
     rollout_temperature: float = option(1.0, "sampling temperature")
     rollout_top_p: float = option(1.0, "nucleus sampling mass")
     rollout_max_response_len: int = option(8, "max new tokens per answer")
+    save_debug_rollout_data: str | None = option(
+        None, "write each rollout's samples to this path template ({rollout_id})"
+    )
+    load_debug_rollout_data: str | None = option(
+        None, "replay samples from this path template instead of generating (no engine is built)"
+    )
 
     @property
     def samples_per_rollout(self) -> int:
@@ -95,3 +105,36 @@ def evaluate(
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     samples = generate_samples(engine, encode, prompts, params, 1, reward_fn, seed=0, rollout_id=0)
     return sum(s.reward for s in samples) / max(1, len(samples))
+
+
+def save_samples(template: str, rollout_id: int, samples: list[Sample]) -> Path:
+    """Write a rollout's samples as JSON (floats round-trip exactly), atomically."""
+    path = Path(template.format(rollout_id=rollout_id))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps({"rollout_id": rollout_id, "samples": [asdict(s) for s in samples]}))
+    os.replace(temp, path)
+    return path
+
+
+def load_samples(
+    template: str, rollout_id: int, prompts: list[Prompt], n_samples: int
+) -> list[Sample]:
+    """Samples saved by `save_samples`, checked against the prompts the data source drew now."""
+    path = Path(template.format(rollout_id=rollout_id))
+    if not path.is_file():
+        raise UserError(f"--load-debug-rollout-data: {path} does not exist (rollout {rollout_id})")
+    try:
+        records = json.loads(path.read_text())["samples"]
+        samples = [Sample(**{**r, "prompt": Prompt(**r["prompt"])}) for r in records]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(
+            f"--load-debug-rollout-data: {path} is not a mileage rollout file ({exc})"
+        ) from None
+    expected = [p.index for p in prompts for _ in range(n_samples)]
+    if [s.prompt.index for s in samples] != expected:
+        raise UserError(
+            f"{path} holds samples for other prompts than rollout {rollout_id} draws now; replay with "
+            "the data and batch flags of the original run"
+        )
+    return samples
