@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from mileage.components import Run, checkpoint_state, restore
+from mileage.faults import fault_point
 from mileage.preemption import PreemptionGuard
 from mileage.progress import RunProgress
 from mileage.rollout.rollout import evaluate, generate_samples, load_samples, save_samples
@@ -71,14 +72,17 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             started = time.perf_counter()
             progress.phase(rollout_id, "generate")
             prompts = run.data.next_batch(cfg.rollout.rollout_batch_size)
+            fault_point("rollout_start")
             samples = rollout_samples(run, rollout_id, prompts)
             generated = time.perf_counter()
+            fault_point("after_generate")
 
             progress.phase(rollout_id, "train")
             stats = run.actor.train_rollout(pack_samples(samples, run.tokenizer.pad_token_id))
             if run.engine is not None:
                 run.engine.update_weights(run.model)
             trained = time.perf_counter()
+            fault_point("after_train")
 
             record = rollout_record(
                 rollout_id, prompts, samples, stats, started, generated, trained
@@ -87,6 +91,7 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
                 progress.phase(rollout_id, "eval")
                 record["eval_accuracy"] = run_eval(run)
             run.metrics.log(record)  # before the save: a resume cuts the log back to the checkpoint
+            fault_point("after_metrics")
 
             # decided once: a signal arriving after this line stops (and saves) the next rollout
             if preempt.stop_requested:

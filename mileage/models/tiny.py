@@ -33,7 +33,7 @@ WARMUP_RECIPE = {
     "betas": (0.9, 0.98),
     "clip_grad": 1.0,
     "threads": 2,
-    "version": 1,
+    "version": 2,
 }
 
 

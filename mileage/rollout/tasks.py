@@ -38,9 +38,10 @@ def _reversal(count: int = 10_000) -> list[dict[str, str]]:
 def _split(records: list[dict[str, str]], name: str) -> tuple[list, list]:
     order = list(range(len(records)))
     random.Random(f"mileage-split-{name}").shuffle(order)
-    held = set(order[:HELD_OUT_SIZE])
-    train = [r for i, r in enumerate(records) if i not in held]
-    test = [records[i] for i in sorted(held)]
+    # the training split comes in this fixed random order: file order would feed RL batches
+    # like "00+00".."00+15" that all share one operand
+    train = [records[i] for i in order[HELD_OUT_SIZE:]]
+    test = [records[i] for i in sorted(order[:HELD_OUT_SIZE])]
     return train, test
 
 

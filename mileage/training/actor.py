@@ -13,6 +13,7 @@ import torch
 
 from mileage.config import option
 from mileage.errors import UserError
+from mileage.faults import fault_point
 from mileage.training.advantages import compute_advantages
 from mileage.training.batch import TrainBatch
 from mileage.training.losses import kl_estimate, ppo_clip_loss, token_logprobs
@@ -140,6 +141,7 @@ class Actor:
                 group["lr"] = lr
             self.optimizer.step()
             self.step += 1
+            fault_point("optimizer_step")
             grad_norms.append(float(norm))
             lrs.append(lr)
         self.model.eval()
