@@ -8,18 +8,19 @@ from __future__ import annotations
 import platform
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import transformers
 
 import mileage
-from mileage.checkpoint.layout import architecture, fingerprint
+from mileage.checkpoint.layout import DirState, architecture, fingerprint
 from mileage.checkpoint.plan import (
     RESUME,
     ResumePlan,
     StartFlags,
     gather_disk_state,
+    plan_start,
     reference_source,
 )
 from mileage.checkpoint.store import (
@@ -67,20 +68,30 @@ def model_config_of(cfg: RunConfig) -> dict:
     ).to_dict()
 
 
-def make_plan(cfg: RunConfig) -> tuple[ResumePlan, StartFlags, list[Prompt]]:
-    """Everything `mileage plan` needs; cheap (reads JSON and directory listings, no tensors)."""
-    from mileage.checkpoint.layout import DirState
-    from mileage.checkpoint.plan import plan_start
+@dataclass
+class Preflight:
+    """Everything that can fail on user input, loaded before anything is written."""
 
+    plan: ResumePlan
+    flags: StartFlags
+    prompts: list[Prompt]
+    eval_prompts: list[Prompt] | None
+    reward_fn: RewardFn
+
+
+def preflight(cfg: RunConfig) -> Preflight:
+    """The plan and its inputs; cheap (reads JSON and directory listings, no tensors)."""
     prompts = load_train_prompts(cfg.data)
+    eval_prompts = load_eval_prompts(cfg.data)
+    reward_fn = build_reward_fn(cfg.reward)
     model_config = model_config_of(cfg)
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:
         # the built-in model is built on first use; plan as if it were there
         built = DirState(flags.hf_checkpoint, True, hf_config=model_config, hf_weights=True)
-        disk = type(disk)(disk.load, disk.save, disk.ref_load, built, model_config)
-    return plan_start(flags, disk), flags, prompts
+        disk = replace(disk, hf_checkpoint=built)
+    return Preflight(plan_start(flags, disk), flags, prompts, eval_prompts, reward_fn)
 
 
 @dataclass
@@ -117,9 +128,8 @@ def _load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
     return model
 
 
-def build_run(
-    cfg: RunConfig, plan: ResumePlan, flags: StartFlags, prompts: list[Prompt], log
-) -> Run:
+def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
+    plan, flags = pre.plan, pre.flags
     configure_determinism(cfg.loop.seed, cfg.loop.num_threads)
     if not cfg.checkpoint.hf_checkpoint:
         ensure_builtin_model(cfg.data.builtin_task, log=log)
@@ -163,9 +173,9 @@ def build_run(
         engine=None
         if cfg.rollout.load_debug_rollout_data
         else LocalEngine(model, tokenizer.pad_token_id, eos),
-        data=PromptSource(prompts, cfg.data.rollout_shuffle, cfg.loop.seed),
-        eval_prompts=load_eval_prompts(cfg.data),
-        reward_fn=build_reward_fn(cfg.reward),
+        data=PromptSource(pre.prompts, cfg.data.rollout_shuffle, cfg.loop.seed),
+        eval_prompts=pre.eval_prompts,
+        reward_fn=pre.reward_fn,
         sampling=SamplingParams(
             cfg.rollout.rollout_max_response_len,
             cfg.rollout.rollout_temperature,

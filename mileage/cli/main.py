@@ -29,10 +29,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from mileage.components import make_plan
+    from mileage.components import preflight
     from mileage.run_config import RunConfig
 
-    plan, _, _ = make_plan(RunConfig.from_args(args))
+    plan = preflight(RunConfig.from_args(args)).plan
     print(plan.to_json() if args.json else plan.describe())
     return 0
 

@@ -7,14 +7,15 @@ from contextlib import nullcontext
 from mileage.checkpoint.lock import SaveDirLock
 from mileage.checkpoint.plan import COMPLETE
 from mileage.checkpoint.store import remove_leftovers
-from mileage.components import build_run, make_plan
+from mileage.components import build_run, preflight
 from mileage.loop import train
 from mileage.progress import RunProgress
 from mileage.run_config import RunConfig
 
 
 def train_command(cfg: RunConfig) -> int:
-    plan, flags, prompts = make_plan(cfg)
+    pre = preflight(cfg)
+    plan = pre.plan
     progress = RunProgress(plan.start_rollout_id, plan.num_rollout)
     progress.print(plan.describe())
     if plan.action == COMPLETE:
@@ -31,11 +32,11 @@ def train_command(cfg: RunConfig) -> int:
             for name in remove_leftovers(save):
                 progress.print(f"removed leftover of an interrupted save: {name}")
             # the plan was made before taking the lock; another run may have moved the tracker
-            fresh_plan, flags, prompts = make_plan(cfg)
-            if fresh_plan != plan:
-                plan = fresh_plan
+            pre = preflight(cfg)
+            if pre.plan != plan:
+                plan = pre.plan
                 progress.print(plan.describe())
-        run = build_run(cfg, plan, flags, prompts, progress.print)
+        run = build_run(cfg, pre, progress.print)
         with progress:
             records = train(run, progress)
     if records and records[-1].get("eval_accuracy") is not None:

@@ -1,0 +1,558 @@
+"""Crash-anywhere harness: SIGKILL `mileage train`, rerun it, compare with an uninterrupted run.
+
+The promise under test: kill a run at any instant, rerun the same command until it exits 0, and
+the checkpoints hold the same tensors (bit for bit) and the metrics log the same per-rollout
+records (wall-clock keys aside) as a run that was never interrupted.
+
+A `Kill` is either a named fault point (`MILEAGE_KILL_AT`, see `mileage.faults`: the process
+SIGKILLs itself the hit-th time it reaches the point) or a delay after launch, after which the
+harness SIGKILLs the process from outside. `run_with_kills` spends one kill per launch, reruns
+the plain command until it exits 0, and returns one `Outcome` per kill; `compare_runs` lists
+every difference between two save directories.
+
+Every launch is `python -m mileage train ARGS --save D --load D --save-interval 1`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from mileage.checkpoint.layout import (
+    META,
+    STAGING_PREFIX,
+    checkpoint_path,
+    read_tracker,
+    scan_dir,
+)
+from mileage.checkpoint.store import (
+    MODEL_DIR,
+    OPTIMIZER_DIR,
+    RNG_FILE,
+    TRAINER_STATE,
+    load_tensors,
+    verify_checkpoint,
+)
+from mileage.metrics import METRICS_FILE, TIMING_KEYS
+
+# in the order one rollout reaches them (optimizer_step once per optimizer step)
+LOOP_POINTS = ("rollout_start", "after_generate", "optimizer_step", "after_train", "after_metrics")
+# inside the checkpoint write; with --async-save they run in the background writer thread
+SAVE_POINTS = (
+    "save_after_model",
+    "commit_before_rename",
+    "commit_before_tracker",
+    "commit_after_tracker",
+)
+KILL_POINTS = LOOP_POINTS + SAVE_POINTS
+
+# a difference in tensor names, shapes, dtypes or values starts with this
+TENSOR_DIFF = "tensor "
+# meta.json keys that legitimately differ between two runs of the same command
+VOLATILE_META = frozenset({"time", "host"})
+
+_PLAN_RE = re.compile(
+    r"^plan: (?:(?:fresh start|resume) at rollout (\d+)|nothing to do) of (\d+)", re.MULTILINE
+)
+_SIGKILLED = -signal.SIGKILL
+
+
+class CrashHarnessError(RuntimeError):
+    """A launch that had to succeed (the uninterrupted reference run) did not."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Where one launch is killed: a named fault point (+ hit) or a delay after launch."""
+
+    point: str | None = None
+    hit: int = 1
+    delay: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.point is None) == (self.delay is None):
+            raise ValueError("a Kill needs exactly one of a point and a delay")
+        if self.point is not None and self.point not in KILL_POINTS:
+            raise ValueError(f"unknown kill point {self.point!r}; known: {', '.join(KILL_POINTS)}")
+        if self.hit < 1:
+            raise ValueError(f"hit must be >= 1, got {self.hit}")
+        if self.delay is not None and self.delay < 0:
+            raise ValueError(f"delay must be >= 0, got {self.delay}")
+
+    @classmethod
+    def at(cls, point: str, hit: int = 1) -> Kill:
+        return cls(point=point, hit=hit)
+
+    @classmethod
+    def after(cls, seconds: float) -> Kill:
+        return cls(delay=seconds)
+
+    @property
+    def label(self) -> str:
+        return f"{self.point}:{self.hit}" if self.point else f"t+{self.delay:.2f}s"
+
+    def env(self) -> dict[str, str]:
+        return {"MILEAGE_KILL_AT": f"{self.point}:{self.hit}"} if self.point else {}
+
+
+def random_time_kills(count: int, seed: int, low: float, high: float) -> list[Kill]:
+    """`count` kills at delays drawn uniformly from [low, high] seconds by Random(seed)."""
+    rng = random.Random(seed)
+    return [Kill.after(round(rng.uniform(low, high), 2)) for _ in range(count)]
+
+
+@dataclass
+class Launch:
+    """One process of a run."""
+
+    kill: Kill | None
+    returncode: int
+    seconds: float
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+    @property
+    def died_by_kill(self) -> bool:
+        return self.returncode == _SIGKILLED and not self.timed_out
+
+    @property
+    def plan(self) -> tuple[int, int] | None:
+        """(first rollout this process planned to run, num_rollout) from its last plan line.
+
+        A run with nothing left to do reports num_rollout as its first rollout. None when the
+        process died before printing a plan.
+        """
+        matches = list(_PLAN_RE.finditer(self.stdout))
+        if not matches:
+            return None
+        start, total = matches[-1].groups()
+        return (int(start) if start is not None else int(total)), int(total)
+
+    def tail(self, lines: int = 5) -> str:
+        return " / ".join((self.stderr or self.stdout).strip().splitlines()[-lines:])
+
+
+@dataclass
+class Outcome:
+    """What one kill did, and whether the run recovered from it.
+
+    `tracker` and `logged` are read from disk right after the kill: the last committed rollout
+    and the last rollout in metrics.jsonl. `rollout` is the rollout the kill hit: for a save
+    point the rollout being saved, otherwise the first rollout not yet logged.
+    """
+
+    kill: Kill
+    launch: Launch | None  # None: the run had already finished when this kill's turn came
+    tracker: int | None = None
+    logged: int | None = None
+    rollout: int | None = None
+    intact: bool = True  # the tracker names a checkpoint whose files match its manifest
+    expected_start: int | None = None  # where the next process must start: tracker + 1
+    resumed_at: int | None = None  # where the next process that printed a plan started
+    resumed: bool = False  # it started at expected_start, and the run then finished
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def died(self) -> bool:
+        return self.launch is not None and self.launch.died_by_kill
+
+    @property
+    def status(self) -> str:
+        if self.launch is None:
+            return "not reached (run had finished)"
+        if self.launch.timed_out:
+            return "timed out"
+        if self.died:
+            return "killed"
+        if self.launch.returncode == 0:
+            return "finished first"
+        return f"failed (rc {self.launch.returncode})"
+
+
+# ---------------------------------------------------------------- running
+
+
+def train_command(args: Sequence[object], save_dir: str | Path) -> list[str]:
+    save = str(save_dir)
+    return [
+        sys.executable,
+        "-m",
+        "mileage",
+        "train",
+        *map(str, args),
+        "--save",
+        save,
+        "--load",
+        save,
+        "--save-interval",
+        "1",
+    ]
+
+
+def launch(
+    args: Sequence[object],
+    save_dir: str | Path,
+    kill: Kill | None = None,
+    *,
+    timeout: float = 900.0,
+    env: dict[str, str] | None = None,
+) -> Launch:
+    """Run the train command once, killed as `kill` says; returns when the process has exited."""
+    full_env = {
+        k: v for k, v in os.environ.items() if k not in ("MILEAGE_KILL_AT", "MILEAGE_FAIL_AT")
+    }
+    full_env.update(env or {})
+    # unbuffered, so that output printed before a SIGKILL (the plan line) is not lost with it
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if kill is not None:
+        full_env.update(kill.env())
+    outside = kill is not None and kill.delay is not None
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        train_command(args, save_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+    )
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=kill.delay if outside else timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = not outside
+        proc.kill()  # a no-op if the process exited in the meantime: its own returncode stands
+        stdout, stderr = proc.communicate()
+    return Launch(kill, proc.returncode, time.monotonic() - started, stdout, stderr, timed_out)
+
+
+def run_uninterrupted(
+    args: Sequence[object],
+    save_dir: str | Path,
+    *,
+    timeout: float = 900.0,
+    env: dict[str, str] | None = None,
+) -> Launch:
+    """The reference run: one launch into a new `save_dir` that must exit 0."""
+    done = launch(args, save_dir, timeout=timeout, env=env)
+    if done.returncode != 0 or done.timed_out:
+        raise CrashHarnessError(
+            f"uninterrupted run exited with {done.returncode}"
+            f"{' (timed out)' if done.timed_out else ''}: {done.tail()}"
+        )
+    return done
+
+
+def run_with_kills(
+    args: Sequence[object],
+    save_dir: str | Path,
+    kills: Iterable[Kill],
+    *,
+    max_reruns: int = 5,
+    timeout: float = 900.0,
+    env: dict[str, str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[Outcome]:
+    """Launch once per kill (each launch resumes from what the previous ones left), then rerun
+    the plain command until it exits 0, at most `max_reruns` times; one Outcome per kill.
+
+    `kills` is consumed lazily, one item right before each launch, so a generator may look at
+    `save_dir` to choose the next kill. Kills whose turn comes after the run finished are
+    recorded as not reached. Failures never raise: they land in the outcomes' `problems`.
+    """
+    save_dir = Path(save_dir)
+    say = log or (lambda line: None)
+    launches: list[Launch] = []
+    outcomes: list[Outcome] = []
+    owner: list[int] = []  # index into launches of each outcome's launch
+    finished = False
+    num_rollout: int | None = None
+
+    def record(run: Launch) -> None:
+        nonlocal finished, num_rollout
+        launches.append(run)
+        if run.plan is not None:
+            num_rollout = run.plan[1]
+        finished = finished or (run.returncode == 0 and not run.timed_out)
+
+    for kill in kills:
+        if finished:
+            outcomes.append(Outcome(kill, None))
+            owner.append(-1)
+            say(f"{kill.label}: not reached, the run had finished")
+            continue
+        run = launch(args, save_dir, kill, timeout=timeout, env=env)
+        record(run)
+        outcome = _observe(kill, run, save_dir, num_rollout)
+        outcomes.append(outcome)
+        owner.append(len(launches) - 1)
+        say(
+            f"{kill.label}: {outcome.status} after {run.seconds:.1f}s, rollout {outcome.rollout}, "
+            f"tracker {outcome.tracker}, logged {outcome.logged}"
+        )
+
+    reruns = 0
+    while not finished and reruns < max_reruns:
+        run = launch(args, save_dir, timeout=timeout, env=env)
+        record(run)
+        reruns += 1
+        say(f"rerun {reruns}: rc {run.returncode} after {run.seconds:.1f}s")
+
+    for outcome, index in zip(outcomes, owner, strict=True):
+        if index >= 0:
+            _judge(outcome, launches, index, finished, max_reruns)
+    return outcomes
+
+
+def _observe(kill: Kill, run: Launch, save_dir: Path, num_rollout: int | None) -> Outcome:
+    """Read what the killed (or finished, or failed) launch left on disk."""
+    tracker = read_tracker(save_dir).iteration
+    logged = _last_logged(save_dir)
+    outcome = Outcome(
+        kill,
+        run,
+        tracker=tracker,
+        logged=logged,
+        rollout=_hit_rollout(kill, tracker, logged, num_rollout),
+        expected_start=0 if tracker is None else tracker + 1,
+    )
+    if tracker is not None:
+        problems = verify_checkpoint(checkpoint_path(save_dir, tracker))
+        outcome.intact = not problems
+        outcome.problems += [f"after the kill: {p}" for p in problems]
+    elif read_tracker(save_dir).exists:
+        outcome.intact = False
+        outcome.problems.append("after the kill: the tracker is unreadable")
+    if not run.died_by_kill and run.returncode != 0:
+        outcome.problems.append(
+            f"the killed launch exited with {run.returncode}"
+            f"{' (timed out)' if run.timed_out else ''}: {run.tail()}"
+        )
+    return outcome
+
+
+def _judge(
+    outcome: Outcome, launches: list[Launch], index: int, finished: bool, max_reruns: int
+) -> None:
+    """Fill in `resumed_at` / `resumed` from the launches after this outcome's own."""
+    later = launches[index + 1 :]
+    for run in later:
+        if run.plan is not None:
+            outcome.resumed_at = run.plan[0]
+            break
+    own = launches[index]
+    if own.returncode == 0 and not own.timed_out:
+        outcome.resumed = True  # the run finished before the kill: nothing to resume
+        return
+    for run in later:
+        if not (run.died_by_kill or run.returncode == 0):
+            outcome.problems.append(
+                f"a later launch ({run.kill.label if run.kill else 'plain rerun'}) exited with "
+                f"{run.returncode}{' (timed out)' if run.timed_out else ''}: {run.tail()}"
+            )
+    if not finished:
+        outcome.problems.append(f"the run did not finish within {max_reruns} plain reruns")
+    if outcome.resumed_at is not None and outcome.resumed_at != outcome.expected_start:
+        outcome.problems.append(
+            f"the next launch started at rollout {outcome.resumed_at}, "
+            f"expected {outcome.expected_start}"
+        )
+    outcome.resumed = (
+        finished
+        and outcome.resumed_at == outcome.expected_start
+        and all(r.died_by_kill or r.returncode == 0 for r in later)
+    )
+
+
+def _last_logged(save_dir: Path) -> int | None:
+    path = save_dir / METRICS_FILE
+    if not path.is_file():
+        return None
+    ids = []
+    for line in path.read_text().splitlines():
+        try:
+            ids.append(json.loads(line)["rollout_id"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line is the resuming run's business, not the observer's
+    return max(ids) if ids else None
+
+
+def _hit_rollout(
+    kill: Kill, tracker: int | None, logged: int | None, num_rollout: int | None
+) -> int:
+    committed = -1 if tracker is None else tracker
+    first_unlogged = 0 if logged is None else logged + 1
+    if kill.point == "commit_after_tracker":
+        return committed
+    if kill.point in SAVE_POINTS:
+        return committed + 1
+    if kill.point == "after_metrics":
+        return first_unlogged - 1
+    if kill.point is None and num_rollout is not None:
+        # all rollouts logged: the kill hit the saving of the last ones
+        return min(first_unlogged, num_rollout - 1)
+    return first_unlogged
+
+
+# ---------------------------------------------------------------- comparing
+
+
+def compare_runs(save_a: str | Path, save_b: str | Path) -> list[str]:
+    """Every difference between two save directories ([] = identical where it matters).
+
+    Compares the trackers, the set of complete checkpoints, and in each checkpoint both runs
+    have: every model, optimizer and RNG tensor (names, dtypes, shapes, `torch.equal`), the
+    trainer state and meta.json (minus time and host); then metrics.jsonl minus timing keys.
+    Also reports leftovers of interrupted saves and a tracker naming a corrupt checkpoint.
+    Tensor differences start with `TENSOR_DIFF`.
+    """
+    a, b = Path(save_a), Path(save_b)
+    diffs = []
+    track_a, track_b = read_tracker(a), read_tracker(b)
+    if (track_a.iteration, track_a.release) != (track_b.iteration, track_b.release):
+        diffs.append(f"tracker: {track_a.raw.strip()!r} vs {track_b.raw.strip()!r}")
+    ids_a, ids_b = set(scan_dir(a).complete_ids), set(scan_dir(b).complete_ids)
+    for rollout_id in sorted(ids_a ^ ids_b):
+        where = a if rollout_id in ids_a else b
+        diffs.append(f"checkpoint {checkpoint_path(where, rollout_id).name}: only in {where}")
+    for rollout_id in sorted(ids_a & ids_b):
+        diffs += compare_checkpoints(checkpoint_path(a, rollout_id), checkpoint_path(b, rollout_id))
+    diffs += compare_metrics(a, b)
+    for root, tracker in ((a, track_a), (b, track_b)):
+        leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith(STAGING_PREFIX))
+        if leftovers:
+            diffs.append(f"{root}: leftovers of interrupted saves: {', '.join(leftovers)}")
+        if tracker.iteration is not None:
+            diffs += [
+                f"{root}: {p}" for p in verify_checkpoint(checkpoint_path(root, tracker.iteration))
+            ]
+    return diffs
+
+
+def compare_checkpoints(ckpt_a: str | Path, ckpt_b: str | Path) -> list[str]:
+    """Differences between two checkpoint directories of the same rollout."""
+    a, b = Path(ckpt_a), Path(ckpt_b)
+    name = a.name
+    diffs = []
+    for sub in (MODEL_DIR, OPTIMIZER_DIR):
+        present = ((a / sub / ".metadata").is_file(), (b / sub / ".metadata").is_file())
+        if present == (True, True):
+            diffs += compare_tensors(f"{name}/{sub}", load_tensors(a / sub), load_tensors(b / sub))
+        elif present != (False, False):
+            diffs.append(f"{TENSOR_DIFF}{name}/{sub}: present in only one run")
+    if (a / RNG_FILE).is_file() and (b / RNG_FILE).is_file():
+        rng_a, rng_b = load_file(str(a / RNG_FILE)), load_file(str(b / RNG_FILE))
+        diffs += compare_tensors(f"{name}/{RNG_FILE}", rng_a, rng_b)
+    elif (a / RNG_FILE).is_file() != (b / RNG_FILE).is_file():
+        diffs.append(f"{TENSOR_DIFF}{name}/{RNG_FILE}: present in only one run")
+    for json_name, ignored in ((TRAINER_STATE, frozenset()), (META, VOLATILE_META)):
+        doc_a, doc_b = _read_json(a / json_name), _read_json(b / json_name)
+        doc_a = {k: v for k, v in doc_a.items() if k not in ignored}
+        doc_b = {k: v for k, v in doc_b.items() if k not in ignored}
+        for key in sorted(set(doc_a) | set(doc_b)):
+            if doc_a.get(key) != doc_b.get(key):
+                diffs.append(f"{name}/{json_name}: {key} differs")
+    return diffs
+
+
+def compare_tensors(
+    where: str, tensors_a: dict[str, torch.Tensor], tensors_b: dict[str, torch.Tensor]
+) -> list[str]:
+    """One line per tensor that is missing on one side or differs in dtype, shape or values."""
+    diffs = []
+    for key in sorted(set(tensors_a) ^ set(tensors_b)):
+        side = "first" if key in tensors_a else "second"
+        diffs.append(f"{TENSOR_DIFF}{where}/{key}: only in the {side} run")
+    for key in sorted(set(tensors_a) & set(tensors_b)):
+        ta, tb = tensors_a[key], tensors_b[key]
+        if ta.dtype != tb.dtype:
+            diffs.append(f"{TENSOR_DIFF}{where}/{key}: dtype {ta.dtype} vs {tb.dtype}")
+        elif ta.shape != tb.shape:
+            diffs.append(
+                f"{TENSOR_DIFF}{where}/{key}: shape {tuple(ta.shape)} vs {tuple(tb.shape)}"
+            )
+        elif not torch.equal(ta, tb):
+            unequal = int((ta != tb).sum())
+            detail = f"{unequal} of {ta.numel()} elements differ"
+            if ta.is_floating_point():
+                detail += f", max abs diff {float((ta.double() - tb.double()).abs().max()):.3g}"
+            diffs.append(f"{TENSOR_DIFF}{where}/{key}: {detail}")
+    return diffs
+
+
+def compare_metrics(save_a: str | Path, save_b: str | Path) -> list[str]:
+    """Differences between two metrics.jsonl files, timing keys (`TIMING_KEYS`) left out."""
+    records_a = _comparable_metrics(Path(save_a))
+    records_b = _comparable_metrics(Path(save_b))
+    if isinstance(records_a, str) or isinstance(records_b, str):
+        return [r for r in (records_a, records_b) if isinstance(r, str)]
+    diffs = []
+    ids_a = [r.get("rollout_id") for r in records_a]
+    ids_b = [r.get("rollout_id") for r in records_b]
+    if ids_a != ids_b:
+        diffs.append(f"metrics: rollout ids {ids_a} vs {ids_b}")
+    for rec_a, rec_b in zip(records_a, records_b, strict=False):
+        keys = sorted(k for k in set(rec_a) | set(rec_b) if rec_a.get(k) != rec_b.get(k))
+        if keys:
+            diffs.append(f"metrics: rollout {rec_a.get('rollout_id')}: {', '.join(keys)} differ")
+    return diffs
+
+
+def _comparable_metrics(save_dir: Path) -> list[dict] | str:
+    path = save_dir / METRICS_FILE
+    if not path.is_file():
+        return f"metrics: {path} is missing"
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return f"metrics: {path} line {number} is not JSON"
+        records.append({k: v for k, v in record.items() if k not in TIMING_KEYS})
+    return records
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def count_tensor_differences(diffs: Iterable[str]) -> int:
+    return sum(1 for d in diffs if d.startswith(TENSOR_DIFF))
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def outcome_table(outcomes: Sequence[Outcome], first_number: int = 1) -> str:
+    """The outcomes as a markdown table."""
+    rows = [
+        "| kill # | kill point | rollout | tracker after | outcome | resumed |",
+        "|---:|---|---:|---:|---|---|",
+    ]
+    for number, o in enumerate(outcomes, first_number):
+        resumed = "-" if o.launch is None else ("OK" if o.resumed else "FAILED")
+        if o.launch is not None and o.resumed_at is not None and o.died:
+            resumed += f" (at {o.resumed_at})"
+        rows.append(
+            f"| {number} | {o.kill.label} | {_dash(o.rollout if o.launch else None)} | "
+            f"{_dash(o.tracker)} | {o.status} | {resumed} |"
+        )
+    return "\n".join(rows)
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
