@@ -26,6 +26,7 @@ from mileage.checkpoint.plan import (
 from mileage.checkpoint.store import (
     TRAINER_STATE,
     CheckpointState,
+    CheckpointWriteError,
     load_model_weights,
     load_optimizer_tensors,
     load_rng_tensors,
@@ -128,6 +129,23 @@ def _load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
     return model
 
 
+def _hf_exporter(template: str | None, config_dir: str, log):
+    """`--save-hf`: after each commit, export the committed weights as an HF directory."""
+    if not template:
+        return None
+    from mileage.checkpoint.hf_export import export_hf
+
+    def export(rollout_id: int, checkpoint) -> None:
+        out = template.format(rollout_id=rollout_id)
+        try:
+            export_hf(checkpoint, config_dir, out)
+        except OSError as exc:
+            raise CheckpointWriteError(f"--save-hf: writing {out} failed: {exc}") from None
+        log(f"exported HF weights of rollout {rollout_id} to {out}")
+
+    return export
+
+
 def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     plan, flags = pre.plan, pre.flags
     configure_determinism(cfg.loop.seed, cfg.loop.num_threads)
@@ -162,7 +180,10 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     writer = None
     if cfg.checkpoint.save:
         writer = CheckpointWriter(
-            cfg.checkpoint.save, cfg.checkpoint.save_keep_last, cfg.checkpoint.async_save
+            cfg.checkpoint.save,
+            cfg.checkpoint.save_keep_last,
+            cfg.checkpoint.async_save,
+            on_commit=_hf_exporter(cfg.checkpoint.save_hf, config_dir, log),
         )
     return Run(
         cfg=cfg,

@@ -5,6 +5,13 @@ with temperature and top-p from a caller-supplied `torch.Generator`, stops rows 
 returns token ids together with the log-probs of the sampled tokens under the generating policy
 (temperature-scaled, before top-p truncation — the same distribution the trainer scores).
 Remote engines (vLLM/SGLang servers) implement the same `generate`/`update_weights` pair.
+
+Decoding Llama-family models (Llama, Mistral, Qwen2 with SDPA attention) takes a fast path: the
+prefill still runs through the `transformers` model, but each new token runs through
+`_FastDecoder`, which repeats the model's arithmetic op for op against a preallocated KV cache.
+Its tokens and log-probs are bit-identical to stepping the `transformers` model; it only skips
+what costs time there (regrowing the cache by concatenation every step, rebuilding masks and
+rotary tables, generic per-call Python). Other models decode through the `transformers` forward.
 """
 
 from __future__ import annotations
@@ -12,7 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
+
+# Model types whose decoder layer is Llama's (pre-norm RMSNorm, rotary attention, SiLU-gated MLP).
+FAST_DECODE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,166 @@ def sample_tokens(
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # LlamaRMSNorm's arithmetic: normalise in fp32, cast back, then scale
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@dataclass
+class _Layer:
+    norm1: torch.Tensor
+    eps1: float
+    qkv: torch.Tensor  # q, k and v projections stacked: one matmul instead of three
+    qkv_bias: torch.Tensor | None
+    out: torch.Tensor
+    out_bias: torch.Tensor | None
+    norm2: torch.Tensor
+    eps2: float
+    gate_up: torch.Tensor  # gate and up projections stacked
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _stack(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([lin.weight for lin in linears])
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    return weight, torch.cat(
+        [lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+         for lin in linears]
+    )
+
+
+class _FastDecoder:
+    """One-token decode steps of a Llama-family model against a preallocated KV cache.
+
+    Stacking the q/k/v and gate/up weights gives the same bits as separate matmuls (every output
+    element is still one dot product over the same inputs); the stacked copies are rebuilt for
+    each `generate` call because the trainer updates the weights in place between calls.
+    """
+
+    def __init__(self, model: torch.nn.Module, batch: int, total_len: int):
+        core = model.model
+        attn = core.layers[0].self_attn
+        self.model = model
+        self.heads = model.config.num_attention_heads
+        self.kv_heads = model.config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.groups = attn.num_key_value_groups
+        self.scaling = attn.scaling
+        self.batch = batch
+        self.layers = []
+        for layer in core.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _stack(a.q_proj, a.k_proj, a.v_proj)
+            gate_up, gate_up_bias = _stack(mlp.gate_proj, mlp.up_proj)
+            self.layers.append(
+                _Layer(
+                    layer.input_layernorm.weight,
+                    layer.input_layernorm.variance_epsilon,
+                    qkv,
+                    qkv_bias,
+                    a.o_proj.weight,
+                    a.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    layer.post_attention_layernorm.variance_epsilon,
+                    gate_up,
+                    gate_up_bias,
+                    mlp.down_proj.weight,
+                    mlp.down_proj.bias,
+                )
+            )
+        self.intermediate = core.layers[0].mlp.gate_proj.out_features
+        self.embed = core.embed_tokens.weight
+        self.norm, self.norm_eps = core.norm.weight, core.norm.variance_epsilon
+        self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias
+        ref = self.embed
+        shape = (batch, self.kv_heads, total_len, self.head_dim)
+        self.keys = [ref.new_empty(shape) for _ in self.layers]
+        self.values = [ref.new_empty(shape) for _ in self.layers]
+
+    @staticmethod
+    def supports(model: torch.nn.Module, total_len: int) -> bool:
+        """Whether `model` is a Llama-family LM this decoder reproduces exactly."""
+        config = getattr(model, "config", None)
+        if config is None or getattr(config, "model_type", None) not in FAST_DECODE_MODEL_TYPES:
+            return False
+        if getattr(config, "_attn_implementation", None) != "sdpa":
+            return False  # eager/flash attention round differently; keep the model's own kernels
+        if getattr(config, "hidden_act", None) != "silu":
+            return False
+        if model.training and getattr(config, "attention_dropout", 0.0):
+            return False
+        window = getattr(config, "sliding_window", None)
+        if window is not None and getattr(config, "use_sliding_window", True) and total_len > window:
+            return False
+        if getattr(config, "num_key_value_heads", None) is None:
+            return False
+        core = getattr(model, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        return (
+            core is not None
+            and all(hasattr(core, name) for name in needed)
+            and isinstance(getattr(model, "lm_head", None), torch.nn.Linear)
+            and len(core.layers) > 0
+        )
+
+    def load_prefill(self, cache: DynamicCache, width: int) -> None:
+        for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
+            keys[:, :, :width] = layer.keys
+            values[:, :, :width] = layer.values
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        index: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Logits [B, V] after feeding `tokens` [B] at cache slot `index`.
+
+        `cos`/`sin` are [B, 1, 1, D] for this step, `sin` with its first half negated so that
+        rotate_half becomes a plain swap of halves (negation is exact, so the bits are unchanged).
+        `mask` is the [B, 1, 1, index + 1] padding mask, or None when no prompt is padded.
+        """
+        batch, heads, kv_heads, dim = self.batch, self.heads, self.kv_heads, self.head_dim
+        half = dim // 2
+        h = F.embedding(tokens[:, None], self.embed)  # [B, 1, hidden]
+        for layer, keys, values in zip(self.layers, self.keys, self.values, strict=True):
+            x = _rms_norm(h, layer.norm1, layer.eps1)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(batch, 1, heads + 2 * kv_heads, dim)
+            # rotary embedding for q and k together: x*cos + rotate_half(x)*sin
+            qk = qkv[:, :, : heads + kv_heads]
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+            q = qk[:, :, :heads].transpose(1, 2)  # [B, H, 1, D]
+            keys[:, :, index] = qk[:, 0, heads:]
+            values[:, :, index] = qkv[:, 0, heads + kv_heads :]
+            k, v = keys[:, :, : index + 1], values[:, :, : index + 1]
+            extra = {}
+            if self.groups > 1:
+                if mask is None:
+                    extra["enable_gqa"] = True
+                else:
+                    # the query heads sharing a KV head become its query rows (transformers'
+                    # pack_gqa), so K/V are never repeated
+                    q = q.reshape(batch, kv_heads, self.groups, dim)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling, is_causal=False, **extra
+            )
+            o = o.reshape(batch, heads, 1, dim).transpose(1, 2).reshape(batch, 1, heads * dim)
+            h = h + F.linear(o, layer.out, layer.out_bias)
+            x = _rms_norm(h, layer.norm2, layer.eps2)
+            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).split(self.intermediate, -1)
+            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        h = _rms_norm(h, self.norm, self.norm_eps)
+        return F.linear(h, self.lm_head, self.lm_head_bias)[:, -1]
 
 
 class LocalEngine:
@@ -101,26 +272,25 @@ class LocalEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        next_pos = positions[:, -1:] + 1
+        logits = out.logits[:, -1]
+        del out
+        steps = params.max_new_tokens
+        if _FastDecoder.supports(self.model, width + steps):
+            decode = self._fast_steps(cache, mask, positions, steps)
+        else:
+            decode = self._model_steps(cache, mask, positions)
+        del cache
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         tokens_out, logprobs_out = [], []
-        for step in range(params.max_new_tokens):
-            tokens, logprobs = sample_tokens(out.logits[:, -1], params, generator)
+        for step in range(steps):
+            tokens, logprobs = sample_tokens(logits, params, generator)
             tokens = tokens.masked_fill(done, self.pad_id)
             tokens_out.append(tokens)
             logprobs_out.append(logprobs)
             done = done | (tokens == self.eos_id)
-            if bool(done.all()) or step == params.max_new_tokens - 1:
+            if bool(done.all()) or step == steps - 1:
                 break
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
-            out = self.model(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=next_pos,
-                cache=cache,
-                use_cache=True,
-            )
-            next_pos = next_pos + 1
+            logits = decode(tokens, step)
         all_tokens = torch.stack(tokens_out, dim=1).cpu()
         all_logprobs = torch.stack(logprobs_out, dim=1).float().cpu()
         completions = []
@@ -138,3 +308,48 @@ class LocalEngine:
                 )
             )
         return completions
+
+    def _model_steps(self, cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor):
+        """Decode step through the `transformers` forward (any architecture)."""
+        state = {"mask": mask, "pos": positions[:, -1:] + 1}
+
+        def decode(tokens: torch.Tensor, step: int) -> torch.Tensor:
+            state["mask"] = torch.cat([state["mask"], state["mask"].new_ones((len(tokens), 1))], 1)
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=state["mask"],
+                position_ids=state["pos"],
+                cache=cache,
+                use_cache=True,
+            )
+            state["pos"] = state["pos"] + 1
+            return out.logits[:, -1]
+
+        return decode
+
+    def _fast_steps(
+        self, cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor, steps: int
+    ):
+        """Decode step through `_FastDecoder`, with the per-step tables built once up front."""
+        batch, width = mask.shape
+        decoder = _FastDecoder(self.model, batch, width + steps)
+        decoder.load_prefill(cache, width)
+        # transformers drops the mask entirely when nothing is padded; so must we (other kernel)
+        pad_mask = None
+        if not bool(mask.all()):
+            pad_mask = torch.ones((batch, 1, 1, width + steps), dtype=torch.bool, device=mask.device)
+            pad_mask[:, 0, 0, :width] = mask.bool()
+        # rotary tables for every decode position at once; the rotary module is elementwise in
+        # the position, so this equals computing them step by step
+        new_positions = positions[:, -1:] + 1 + torch.arange(steps, device=mask.device)
+        cos, sin = self.model.model.rotary_emb(decoder.embed, new_positions)
+        half = decoder.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, sin = cos[:, :, None, None, :], sin[:, :, None, None, :]  # [B, steps, 1, 1, D]
+
+        def decode(tokens: torch.Tensor, step: int) -> torch.Tensor:
+            index = width + step
+            step_mask = None if pad_mask is None else pad_mask[..., : index + 1]
+            return decoder.step(tokens, index, cos[:, step], sin[:, step], step_mask)
+
+        return decode

@@ -258,7 +258,7 @@ def run_uninterrupted(
 def run_with_kills(
     args: Sequence[object],
     save_dir: str | Path,
-    kills: Iterable[Kill],
+    kills: Iterable[Kill] | Callable[[list[Outcome]], Kill | None],
     *,
     max_reruns: int = 5,
     timeout: float = 900.0,
@@ -268,9 +268,10 @@ def run_with_kills(
     """Launch once per kill (each launch resumes from what the previous ones left), then rerun
     the plain command until it exits 0, at most `max_reruns` times; one Outcome per kill.
 
-    `kills` is consumed lazily, one item right before each launch, so a generator may look at
-    `save_dir` to choose the next kill. Kills whose turn comes after the run finished are
-    recorded as not reached. Failures never raise: they land in the outcomes' `problems`.
+    `kills` is a sequence, or a function that is given the outcomes so far right before each
+    launch and returns the next kill (None: no more kills; it is not asked once the run has
+    finished), so that it can aim at what is left of the run. Kills of a sequence whose turn comes after the run finished are recorded as not
+    reached. Failures never raise: they land in the outcomes' `problems`.
     """
     save_dir = Path(save_dir)
     say = log or (lambda line: None)
@@ -287,7 +288,16 @@ def run_with_kills(
             num_rollout = run.plan[1]
         finished = finished or (run.returncode == 0 and not run.timed_out)
 
-    for kill in kills:
+    listed = None if callable(kills) else iter(kills)
+    while True:
+        if listed is not None:
+            kill = next(listed, None)
+        elif finished:
+            break
+        else:
+            kill = kills(outcomes)
+        if kill is None:
+            break
         if finished:
             outcomes.append(Outcome(kill, None))
             owner.append(-1)

@@ -1,0 +1,103 @@
+"""ckpt ls/verify digests, convert -> raw mode, export-hf, --save-hf, retention, async save."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import fast_train_args
+from transformers import AutoModelForCausalLM
+
+from mileage.checkpoint.layout import read_tracker
+from mileage.checkpoint.store import load_tensors, tensor_digest
+
+
+def ls(cli, save) -> list[dict]:
+    out = cli("ckpt", "ls", save, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saves_retention_digests_and_hf_export(cli, tiny_hf, tmp_path, async_save):
+    save = tmp_path / "run"
+    hf_template = str(tmp_path / "hf" / "rollout_{rollout_id}")
+    extra = ["--async-save"] if async_save else []
+    done = cli(
+        "train",
+        *fast_train_args(tiny_hf),
+        "--num-rollout",
+        4,
+        "--save-interval",
+        1,
+        "--save-keep-last",
+        2,
+        "--save-hf",
+        hf_template,
+        "--save",
+        save,
+        "--load",
+        save,
+        *extra,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = ls(cli, save)
+    assert [r["name"] for r in rows] == ["iter_0000002", "iter_0000003"]  # keep-last 2
+    assert [r["tracked"] for r in rows] == [False, True] and all(r["complete"] for r in rows)
+    model = load_tensors(save / "iter_0000003" / "model")
+    assert rows[-1]["model_digest"] == tensor_digest(model)
+    assert rows[-1]["optimizer_digest"] == tensor_digest(
+        load_tensors(save / "iter_0000003" / "optimizer")
+    )
+    assert cli("ckpt", "verify", save).returncode == 0
+    for rollout_id in range(4):  # --save-hf survives retention: they are exports, not checkpoints
+        exported = AutoModelForCausalLM.from_pretrained(hf_template.format(rollout_id=rollout_id))
+    assert all(torch.equal(exported.state_dict()[k], v) for k, v in model.items())
+
+
+def test_same_flags_same_digests(cli, tiny_hf, tmp_path):
+    digests = []
+    for name in ("a", "b"):
+        save = tmp_path / name
+        assert (
+            cli("train", *fast_train_args(tiny_hf), "--num-rollout", 2, "--save", save).returncode
+            == 0
+        )
+        digests.append([(r["model_digest"], r["optimizer_digest"]) for r in ls(cli, save)])
+    assert digests[0] == digests[1]
+
+
+def test_convert_then_raw_mode_and_export(cli, tiny_hf, tmp_path):
+    release = tmp_path / "release_dir"
+    conv = cli("convert", "--hf-checkpoint", tiny_hf, "--save", release)
+    assert conv.returncode == 0, conv.stderr
+    assert read_tracker(release).release and (release / "release" / "manifest.json").is_file()
+    again = cli("convert", "--hf-checkpoint", tiny_hf, "--save", release)
+    assert again.returncode == 2 and "already holds" in again.stderr
+
+    save = tmp_path / "run"
+    raw = cli(
+        "train",
+        *fast_train_args(tiny_hf),
+        "--megatron-to-hf-mode",
+        "raw",
+        "--ref-load",
+        release,
+        "--num-rollout",
+        1,
+        "--save",
+        save,
+        "--load",
+        save,
+    )
+    assert raw.returncode == 0, raw.stderr
+    assert "fresh start at rollout 0" in raw.stdout and str(release / "release") in raw.stdout
+
+    out = tmp_path / "exported"
+    exp = cli("export-hf", "--load", save, "--hf-checkpoint", tiny_hf, "--out", out)
+    assert exp.returncode == 0, exp.stderr
+    model = AutoModelForCausalLM.from_pretrained(out)
+    saved = load_tensors(save / "iter_0000000" / "model")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert (out / "tokenizer.json").is_file()
