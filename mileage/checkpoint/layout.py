@@ -90,6 +90,8 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         meta = json.loads((path / META).read_text())
     except (OSError, ValueError) as exc:
         return CheckpointInfo(str(path), False, f"unreadable manifest or meta ({exc})")
+    if "model/.metadata" not in manifest["files"]:
+        return CheckpointInfo(str(path), False, "the manifest lists no model", meta)
     for name, entry in manifest["files"].items():
         file = path / name
         if not file.is_file():

@@ -14,6 +14,7 @@ position live in JSON instead.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -176,6 +177,12 @@ def _write_contents(directory: Path, state: CheckpointState) -> None:
     if state.trainer:
         write_json_durably(directory / TRAINER_STATE, state.trainer)
     write_json_durably(directory / META, state.meta)
+    required = [f"{MODEL_DIR}/.metadata", META]
+    if state.optimizer is not None:
+        required.append(f"{OPTIMIZER_DIR}/.metadata")
+    for name in required:  # a directory deleted under the save must not commit as "complete"
+        if not (directory / name).is_file():
+            raise FileNotFoundError(errno.ENOENT, "written file vanished", str(directory / name))
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = path.relative_to(directory).as_posix()

@@ -26,14 +26,19 @@ from mileage.rollout.tasks import builtin_alphabet, builtin_task
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 WARMUP_RECIPE = {
     "seed": 1234,
-    "steps": 190,
+    "max_steps": 400,
+    # stop once greedy accuracy on a fixed slice of the training split reaches this: RL then
+    # starts from a weak policy with real reward, wherever the sharp SFT transition falls
+    "target_accuracy": 0.3,
+    "check_every": 10,
+    "check_size": 256,
     "batch_size": 128,
     "lr": 1e-3,
     "warmup_steps": 100,
     "betas": (0.9, 0.98),
     "clip_grad": 1.0,
     "threads": 2,
-    "version": 2,
+    "version": 3,
 }
 
 
@@ -108,24 +113,41 @@ def _warmup_batches(tokenizer, records, batch_size: int, generator: torch.Genera
             yield ids, mask, labels
 
 
-def warm_up(model, tokenizer, records, recipe: dict, log=print) -> None:
-    """Short supervised warm-up so that RL starts with a non-zero reward."""
+def greedy_accuracy(model, tokenizer, records) -> float:
+    from mileage.rollout.engine import LocalEngine, SamplingParams
+
+    engine = LocalEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in records]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+    decoded = [tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in out]
+    return sum(d == r["label"] for d, r in zip(decoded, records, strict=True)) / len(records)
+
+
+def warm_up(model, tokenizer, records, recipe: dict, log=print) -> tuple[int, float]:
+    """Supervised warm-up until the target accuracy; returns (steps, accuracy)."""
     generator = torch.Generator().manual_seed(recipe["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=recipe["betas"])
     batches = _warmup_batches(tokenizer, records, recipe["batch_size"], generator)
-    model.train()
-    for step in range(recipe["steps"]):
+    check = records[: recipe["check_size"]]
+    accuracy = 0.0
+    for step in range(1, recipe["max_steps"] + 1):
+        model.train()
         for group in opt.param_groups:
-            group["lr"] = recipe["lr"] * min(1.0, (step + 1) / recipe["warmup_steps"])
+            group["lr"] = recipe["lr"] * min(1.0, step / recipe["warmup_steps"])
         ids, mask, labels = next(batches)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["clip_grad"])
         opt.step()
-        if (step + 1) % 50 == 0:
-            log(f"  warm-up step {step + 1}/{recipe['steps']}  loss {loss.item():.3f}")
+        if step % recipe["check_every"] == 0:
+            model.eval()
+            accuracy = greedy_accuracy(model, tokenizer, check)
+            log(f"  warm-up step {step}  loss {loss.item():.3f}  accuracy {accuracy:.3f}")
+            if accuracy >= recipe["target_accuracy"]:
+                break
     model.eval()
+    return step, accuracy
 
 
 def ensure_builtin_model(task: str, log=print) -> Path:
@@ -145,14 +167,16 @@ def ensure_builtin_model(task: str, log=print) -> Path:
         )
         model = LlamaForCausalLM(config)
         train, _ = builtin_task(task)
-        warm_up(model, tokenizer, train, WARMUP_RECIPE, log=log)
+        steps, accuracy = warm_up(model, tokenizer, train, WARMUP_RECIPE, log=log)
     finally:
         torch.set_num_threads(previous_threads)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    (staging / "mileage_builtin.json").write_text(json.dumps({"task": task, **WARMUP_RECIPE}))
+    (staging / "mileage_builtin.json").write_text(
+        json.dumps({"task": task, **WARMUP_RECIPE, "steps": steps, "accuracy": accuracy})
+    )
     try:
         os.rename(staging, target)
     except OSError:  # another process finished first; its weights are identical
