@@ -24,25 +24,22 @@ def mileage_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory) -> Path:
     """A small random-init Llama with the built-in char tokenizer, saved as an HF directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from mileage.models.tiny import build_char_tokenizer
+    from mileage.models.tiny import build_char_tokenizer, tiny_llama_config
     from mileage.rollout.tasks import builtin_alphabet
 
     out = tmp_path_factory.mktemp("tiny_hf")
     tok = build_char_tokenizer(builtin_alphabet())
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
+    config = tiny_llama_config(
+        len(tok),
+        tok.pad_token_id,
+        tok.bos_token_id,
+        tok.eos_token_id,
+        hidden=32,
+        layers=2,
+        heads=2,
+        intermediate=64,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out)

@@ -27,6 +27,21 @@ SCHEDULE = [
 ]
 
 
+def four_rollouts(tiny_hf, save) -> list:
+    return [
+        "train",
+        *fast_train_args(tiny_hf, *SCHEDULE),
+        "--num-rollout",
+        4,
+        "--save-interval",
+        1,
+        "--save",
+        save,
+        "--load",
+        save,
+    ]
+
+
 def comparable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
@@ -54,18 +69,7 @@ def uninterrupted(tiny_hf, tmp_path_factory, mileage_home):
     from conftest import run_cli
 
     save = tmp_path_factory.mktemp("straight")
-    done = run_cli(
-        "train",
-        *fast_train_args(tiny_hf, *SCHEDULE),
-        "--num-rollout",
-        4,
-        "--save-interval",
-        1,
-        "--save",
-        save,
-        "--load",
-        save,
-    )
+    done = run_cli(*four_rollouts(tiny_hf, save))
     assert done.returncode == 0, done.stderr
     return save
 
@@ -74,20 +78,7 @@ def test_resume_after_every_rollout_matches_uninterrupted_run(
     cli, tiny_hf, tmp_path, uninterrupted
 ):
     save = tmp_path / "stepwise"
-    args = [
-        "train",
-        *fast_train_args(tiny_hf, *SCHEDULE),
-        "--num-rollout",
-        4,
-        "--save-interval",
-        1,
-        "--save",
-        save,
-        "--load",
-        save,
-        "--debug-exit-after-rollout",
-        1,
-    ]
+    args = [*four_rollouts(tiny_hf, save), "--debug-exit-after-rollout", 1]
     for expected_start in range(4):
         step = cli(*args)
         assert step.returncode == 0, step.stderr

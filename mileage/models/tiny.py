@@ -63,14 +63,24 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_llama_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> LlamaConfig:
+def tiny_llama_config(
+    vocab_size: int,
+    pad_id: int,
+    bos_id: int,
+    eos_id: int,
+    hidden: int = 256,
+    layers: int = 4,
+    heads: int = 4,
+    intermediate: int = 704,
+) -> LlamaConfig:
+    """The built-in architecture (3.2M parameters at the defaults); tests shrink it further."""
     return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=64,
         tie_word_embeddings=True,
         pad_token_id=pad_id,
