@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from mileage.models.tiny import ensure_builtin_model
 from mileage.testing.crash import (
+    LEFTOVER_DIFF,
     Kill,
     Launch,
     Outcome,
@@ -86,43 +89,81 @@ ASYNC_CHAIN = [
 
 
 @pytest.fixture(scope="module")
-def reference(mileage_home, tmp_path_factory) -> tuple[Path, Launch]:
+def builtin_model(mileage_home) -> Path:
+    # built here rather than by the first launch: a process that builds the model ends with
+    # another global RNG state, which its checkpoints record, than one that finds it cached
+    with torch.random.fork_rng():
+        return ensure_builtin_model("addition")
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_model, tmp_path_factory) -> tuple[Path, Launch]:
     save = tmp_path_factory.mktemp("reference") / "run"
     return save, run_uninterrupted(ARGS, save)
 
 
 @pytest.fixture(scope="module")
-def reference_async(mileage_home, tmp_path_factory) -> Path:
+def reference_async(builtin_model, tmp_path_factory) -> Path:
     save = tmp_path_factory.mktemp("reference_async") / "run"
     run_uninterrupted(ASYNC_ARGS, save)
     return save
 
 
-def assert_recovered(outcomes: list[Outcome], kills: list[Kill], reference: Path, save: Path):
+@pytest.fixture(scope="module")
+def sync_chain(reference, tmp_path_factory) -> tuple[list[Outcome], list[str]]:
+    save = tmp_path_factory.mktemp("sync_chain") / "run"
+    outcomes = run_with_kills(ARGS, save, [kill for kill, _, _ in SYNC_CHAIN])
+    return outcomes, compare_runs(reference[0], save)
+
+
+@pytest.fixture(scope="module")
+def async_chain(reference_async, tmp_path_factory) -> tuple[list[Outcome], list[str]]:
+    save = tmp_path_factory.mktemp("async_chain") / "run"
+    outcomes = run_with_kills(ASYNC_ARGS, save, ASYNC_CHAIN)
+    return outcomes, compare_runs(reference_async, save)
+
+
+def assert_recovered(outcomes: list[Outcome], kills: int, diffs: list[str]) -> None:
     table = outcome_table(outcomes)
-    assert len(outcomes) == len(kills), table
+    assert len(outcomes) == kills, table
     for outcome in outcomes:
         assert not outcome.problems, f"{outcome.kill.label}: {outcome.problems}\n{table}"
         assert outcome.intact and outcome.resumed, table
-    assert compare_runs(reference, save) == [], table
+    assert diffs == [], table
 
 
-def test_named_kills_with_sync_save_match_uninterrupted_run(reference, tmp_path):
-    save = tmp_path / "run"
-    kills = [kill for kill, _, _ in SYNC_CHAIN]
-    outcomes = run_with_kills(ARGS, save, kills)
+def test_sync_kills_each_killed_the_process_where_aimed(sync_chain):
+    outcomes, _ = sync_chain
     table = outcome_table(outcomes)
-    # every kill really killed the process, where it was aimed: the test cannot pass vacuously
-    assert [o.status for o in outcomes] == ["killed"] * len(kills), table
+    # returncode -9 for every named kill: the comparison below cannot pass vacuously
+    assert [o.status for o in outcomes] == ["killed"] * len(SYNC_CHAIN), table
     assert [(o.rollout, o.tracker) for o in outcomes] == [(r, t) for _, r, t in SYNC_CHAIN], table
-    assert_recovered(outcomes, kills, reference[0], save)
 
 
-def test_named_kills_with_async_save_match_uninterrupted_run(reference_async, tmp_path):
-    save = tmp_path / "run"
-    outcomes = run_with_kills(ASYNC_ARGS, save, ASYNC_CHAIN)
+def test_sync_kills_resume_to_the_uninterrupted_tensors_and_metrics(sync_chain):
+    outcomes, diffs = sync_chain
+    # leftovers are the subject of the xfail below, not of the promise checked here
+    assert_recovered(
+        outcomes, len(SYNC_CHAIN), [d for d in diffs if not d.startswith(LEFTOVER_DIFF)]
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: kill 14 leaves a complete, untracked iter_0000005; kill 15's launch moves it "
+    "to .staging-old-* and is killed after its tracker write, before removing leftovers; the "
+    "rerun finds the run complete and exits 0 without removing them (one checkpoint's worth "
+    "of disk is never reclaimed)",
+)
+def test_a_finished_run_keeps_no_leftovers_of_interrupted_saves(sync_chain):
+    _, diffs = sync_chain
+    assert [d for d in diffs if d.startswith(LEFTOVER_DIFF)] == []
+
+
+def test_async_kills_resume_to_the_uninterrupted_tensors_and_metrics(async_chain):
+    outcomes, diffs = async_chain
     assert [o.status for o in outcomes] == ["killed"] * len(ASYNC_CHAIN), outcome_table(outcomes)
-    assert_recovered(outcomes, ASYNC_CHAIN, reference_async, save)
+    assert_recovered(outcomes, len(ASYNC_CHAIN), diffs)
 
 
 def test_random_time_kills_match_uninterrupted_run(reference, tmp_path):
@@ -130,10 +171,8 @@ def test_random_time_kills_match_uninterrupted_run(reference, tmp_path):
     reference_save, reference_launch = reference
     # delays scaled to this machine's speed, so that most kills land during the run; one that
     # comes after the run finished is recorded as such, and the comparison still has to hold
-    kills = [
-        Kill.after(round(kill.delay * reference_launch.seconds, 2))
-        for kill in random_time_kills(4, seed=20240611, low=0.3, high=0.9)
-    ]
+    duration = reference_launch.seconds
+    kills = random_time_kills(4, seed=20240611, low=0.3 * duration, high=0.9 * duration)
     outcomes = run_with_kills(ARGS, save, kills)
     table = outcome_table(outcomes)
     assert len(outcomes) == len(kills), table

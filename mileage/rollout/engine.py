@@ -24,6 +24,10 @@ from transformers import DynamicCache
 
 # Model types whose decoder layer is Llama's (pre-norm RMSNorm, rotary attention, SiLU-gated MLP).
 FAST_DECODE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# top-p first looks for the nucleus among this many most likely tokens
+TOP_P_CANDIDATES = 1024
+# vocabularies larger than this are sampled block-wise (see _draw_categorical)
+CDF_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,44 @@ class Completion:
     finished: bool  # ended with EOS rather than by the length limit
 
 
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative weight exceeds `target` [R, 1].
+
+    The target is clamped just below the row total, so some entry always exceeds it (u * total
+    can round up to the total), and the index found always has a positive weight.
+    """
+    total = cdf[:, -1:]
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)
+
+
+def _draw_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of `probs` [B, V] (non-negative, any positive total), by inverse CDF.
+
+    One uniform draw per row, where `torch.multinomial` draws V exponentials per row (for a 49k
+    vocabulary that was a quarter of a CPU decode step). Large vocabularies are searched in two
+    levels, blocks and then one block, so no full-length cumulative sum is built. The uniforms
+    come from `generator`'s own device: a CPU generator gives the same draws on any device.
+    """
+    rows, vocab = probs.shape
+    device = generator.device if generator is not None else probs.device
+    u = torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)
+    u = u.to(probs.device)
+    if vocab <= CDF_BLOCK:
+        cdf = probs.double().cumsum(-1)
+        return _search(cdf, u * cdf[:, -1:]).squeeze(-1)
+    pad = -vocab % CDF_BLOCK
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, CDF_BLOCK)
+    block_cdf = blocks.sum(-1).double().cumsum(-1)
+    target = u * block_cdf[:, -1:]
+    block = _search(block_cdf, target)  # [B, 1]
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)
+    inner = blocks.gather(1, block[..., None].expand(-1, -1, CDF_BLOCK)).squeeze(1)
+    # target - before >= 0 by the search; rounding past the block's own total is clamped
+    index = _search(inner.double().cumsum(-1), target - before)
+    return (block * CDF_BLOCK + index).squeeze(-1)
+
+
 def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,15 +96,24 @@ def sample_tokens(
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logprobs.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    if params.temperature != 1.0:  # x / 1.0 == x exactly, so skipping it changes no bits
+        logits = logits / params.temperature
+    logprobs = torch.log_softmax(logits, dim=-1)
     probs = logprobs.exp()
     if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # the nucleus nearly always lies within the most likely few hundred tokens, and a top-k
+        # is far cheaper than sorting a 49k vocabulary; sort everything only when it does not
+        sorted_probs, order = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)
+        mass = sorted_probs.cumsum(-1)
+        if mass.shape[-1] < probs.shape[-1] and bool((mass[:, -1] < params.top_p).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            mass = sorted_probs.cumsum(-1)
         # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop = mass - sorted_probs >= params.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = order.gather(-1, _draw_categorical(sorted_probs, generator)[:, None]).squeeze(-1)
+    else:
+        tokens = _draw_categorical(probs, generator)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -74,38 +125,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x.to(dtype)
 
 
-@dataclass
-class _Layer:
-    norm1: torch.Tensor
-    eps1: float
-    qkv: torch.Tensor  # q, k and v projections stacked: one matmul instead of three
-    qkv_bias: torch.Tensor | None
-    out: torch.Tensor
-    out_bias: torch.Tensor | None
-    norm2: torch.Tensor
-    eps2: float
-    gate_up: torch.Tensor  # gate and up projections stacked
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
-
-
-def _stack(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([lin.weight for lin in linears])
-    if all(lin.bias is None for lin in linears):
-        return weight, None
-    return weight, torch.cat(
-        [lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-         for lin in linears]
-    )
-
-
 class _FastDecoder:
     """One-token decode steps of a Llama-family model against a preallocated KV cache.
 
-    Stacking the q/k/v and gate/up weights gives the same bits as separate matmuls (every output
-    element is still one dot product over the same inputs); the stacked copies are rebuilt for
-    each `generate` call because the trainer updates the weights in place between calls.
+    It reads the model's own parameters at every step (nothing is copied), so weights the
+    trainer updates in place are live immediately, as with the `transformers` forward.
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, total_len: int):
@@ -118,35 +142,13 @@ class _FastDecoder:
         self.groups = attn.num_key_value_groups
         self.scaling = attn.scaling
         self.batch = batch
-        self.layers = []
-        for layer in core.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _stack(a.q_proj, a.k_proj, a.v_proj)
-            gate_up, gate_up_bias = _stack(mlp.gate_proj, mlp.up_proj)
-            self.layers.append(
-                _Layer(
-                    layer.input_layernorm.weight,
-                    layer.input_layernorm.variance_epsilon,
-                    qkv,
-                    qkv_bias,
-                    a.o_proj.weight,
-                    a.o_proj.bias,
-                    layer.post_attention_layernorm.weight,
-                    layer.post_attention_layernorm.variance_epsilon,
-                    gate_up,
-                    gate_up_bias,
-                    mlp.down_proj.weight,
-                    mlp.down_proj.bias,
-                )
-            )
-        self.intermediate = core.layers[0].mlp.gate_proj.out_features
+        self.layers = core.layers
         self.embed = core.embed_tokens.weight
-        self.norm, self.norm_eps = core.norm.weight, core.norm.variance_epsilon
-        self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias
-        ref = self.embed
+        self.norm = core.norm
+        self.lm_head = model.lm_head
         shape = (batch, self.kv_heads, total_len, self.head_dim)
-        self.keys = [ref.new_empty(shape) for _ in self.layers]
-        self.values = [ref.new_empty(shape) for _ in self.layers]
+        self.keys = [self.embed.new_empty(shape) for _ in self.layers]
+        self.values = [self.embed.new_empty(shape) for _ in self.layers]
 
     @staticmethod
     def supports(model: torch.nn.Module, total_len: int) -> bool:
@@ -161,23 +163,30 @@ class _FastDecoder:
         if model.training and getattr(config, "attention_dropout", 0.0):
             return False
         window = getattr(config, "sliding_window", None)
-        if window is not None and getattr(config, "use_sliding_window", True) and total_len > window:
-            return False
-        if getattr(config, "num_key_value_heads", None) is None:
+        if (
+            window is not None
+            and getattr(config, "use_sliding_window", True)
+            and total_len > window
+        ):
             return False
         core = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         return (
             core is not None
             and all(hasattr(core, name) for name in needed)
-            and isinstance(getattr(model, "lm_head", None), torch.nn.Linear)
             and len(core.layers) > 0
+            and isinstance(getattr(model, "lm_head", None), torch.nn.Linear)
         )
 
     def load_prefill(self, cache: DynamicCache, width: int) -> None:
         for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
             keys[:, :, :width] = layer.keys
             values[:, :, :width] = layer.values
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x*cos + rotate_half(x)*sin, with the sign of rotate_half folded into `sin`
+        half = self.head_dim // 2
+        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
     def step(
         self,
@@ -194,18 +203,17 @@ class _FastDecoder:
         `mask` is the [B, 1, 1, index + 1] padding mask, or None when no prompt is padded.
         """
         batch, heads, kv_heads, dim = self.batch, self.heads, self.kv_heads, self.head_dim
-        half = dim // 2
         h = F.embedding(tokens[:, None], self.embed)  # [B, 1, hidden]
         for layer, keys, values in zip(self.layers, self.keys, self.values, strict=True):
-            x = _rms_norm(h, layer.norm1, layer.eps1)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(batch, 1, heads + 2 * kv_heads, dim)
-            # rotary embedding for q and k together: x*cos + rotate_half(x)*sin
-            qk = qkv[:, :, : heads + kv_heads]
-            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
-            q = qk[:, :, :heads].transpose(1, 2)  # [B, H, 1, D]
-            keys[:, :, index] = qk[:, 0, heads:]
-            values[:, :, index] = qkv[:, 0, heads + kv_heads :]
+            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            x = _rms_norm(h, norm.weight, norm.variance_epsilon)
+            q = self._rope(attn.q_proj(x).view(batch, 1, heads, dim), cos, sin)
+            keys[:, :, index] = self._rope(
+                attn.k_proj(x).view(batch, kv_heads, dim), cos[:, 0], sin[:, 0]
+            )
+            values[:, :, index] = attn.v_proj(x).view(batch, kv_heads, dim)
             k, v = keys[:, :, : index + 1], values[:, :, : index + 1]
+            q = q.transpose(1, 2)  # [B, H, 1, D]
             extra = {}
             if self.groups > 1:
                 if mask is None:
@@ -218,12 +226,12 @@ class _FastDecoder:
                 q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling, is_causal=False, **extra
             )
             o = o.reshape(batch, heads, 1, dim).transpose(1, 2).reshape(batch, 1, heads * dim)
-            h = h + F.linear(o, layer.out, layer.out_bias)
-            x = _rms_norm(h, layer.norm2, layer.eps2)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).split(self.intermediate, -1)
-            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
-        h = _rms_norm(h, self.norm, self.norm_eps)
-        return F.linear(h, self.lm_head, self.lm_head_bias)[:, -1]
+            h = h + attn.o_proj(o)
+            norm = layer.post_attention_layernorm
+            x = _rms_norm(h, norm.weight, norm.variance_epsilon)
+            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        h = _rms_norm(h, self.norm.weight, self.norm.variance_epsilon)
+        return self.lm_head(h)[:, -1]
 
 
 class LocalEngine:
@@ -337,7 +345,9 @@ class LocalEngine:
         # transformers drops the mask entirely when nothing is padded; so must we (other kernel)
         pad_mask = None
         if not bool(mask.all()):
-            pad_mask = torch.ones((batch, 1, 1, width + steps), dtype=torch.bool, device=mask.device)
+            pad_mask = torch.ones(
+                (batch, 1, 1, width + steps), dtype=torch.bool, device=mask.device
+            )
             pad_mask[:, 0, 0, :width] = mask.bool()
         # rotary tables for every decode position at once; the rotary module is elementwise in
         # the position, so this equals computing them step by step

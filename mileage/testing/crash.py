@@ -60,6 +60,8 @@ KILL_POINTS = LOOP_POINTS + SAVE_POINTS
 
 # a difference in tensor names, shapes, dtypes or values starts with this
 TENSOR_DIFF = "tensor "
+# a directory left behind by an interrupted save starts with this
+LEFTOVER_DIFF = "leftover "
 # meta.json keys that legitimately differ between two runs of the same command
 VOLATILE_META = frozenset({"time", "host"})
 
@@ -226,6 +228,7 @@ def launch(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        errors="replace",  # a kill can cut a multi-byte character in half
         env=full_env,
     )
     timed_out = False
@@ -270,8 +273,9 @@ def run_with_kills(
 
     `kills` is a sequence, or a function that is given the outcomes so far right before each
     launch and returns the next kill (None: no more kills; it is not asked once the run has
-    finished), so that it can aim at what is left of the run. Kills of a sequence whose turn comes after the run finished are recorded as not
-    reached. Failures never raise: they land in the outcomes' `problems`.
+    finished), so that it can aim at what is left of the run. Kills of a sequence whose turn
+    comes after the run finished are recorded as not reached. Failures never raise: they land
+    in the outcomes' `problems`.
     """
     save_dir = Path(save_dir)
     say = log or (lambda line: None)
@@ -425,8 +429,8 @@ def compare_runs(save_a: str | Path, save_b: str | Path) -> list[str]:
     Compares the trackers, the set of complete checkpoints, and in each checkpoint both runs
     have: every model, optimizer and RNG tensor (names, dtypes, shapes, `torch.equal`), the
     trainer state and meta.json (minus time and host); then metrics.jsonl minus timing keys.
-    Also reports leftovers of interrupted saves and a tracker naming a corrupt checkpoint.
-    Tensor differences start with `TENSOR_DIFF`.
+    Also reports leftovers of interrupted saves (starting with `LEFTOVER_DIFF`) and a tracker
+    naming a corrupt checkpoint. Tensor differences start with `TENSOR_DIFF`.
     """
     a, b = Path(save_a), Path(save_b)
     diffs = []
@@ -443,7 +447,7 @@ def compare_runs(save_a: str | Path, save_b: str | Path) -> list[str]:
     for root, tracker in ((a, track_a), (b, track_b)):
         leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith(STAGING_PREFIX))
         if leftovers:
-            diffs.append(f"{root}: leftovers of interrupted saves: {', '.join(leftovers)}")
+            diffs.append(f"{LEFTOVER_DIFF}of interrupted saves in {root}: {', '.join(leftovers)}")
         if tracker.iteration is not None:
             diffs += [
                 f"{root}: {p}" for p in verify_checkpoint(checkpoint_path(root, tracker.iteration))
