@@ -142,19 +142,12 @@ def test_sync_kills_each_killed_the_process_where_aimed(sync_chain):
 
 def test_sync_kills_resume_to_the_uninterrupted_tensors_and_metrics(sync_chain):
     outcomes, diffs = sync_chain
-    # leftovers are the subject of the xfail below, not of the promise checked here
+    # leftovers are checked by the next test, not as part of the promise checked here
     assert_recovered(
         outcomes, len(SYNC_CHAIN), [d for d in diffs if not d.startswith(LEFTOVER_DIFF)]
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: kill 14 leaves a complete, untracked iter_0000005; kill 15's launch moves it "
-    "to .staging-old-* and is killed after its tracker write, before removing leftovers; the "
-    "rerun finds the run complete and exits 0 without removing them (one checkpoint's worth "
-    "of disk is never reclaimed)",
-)
 def test_a_finished_run_keeps_no_leftovers_of_interrupted_saves(sync_chain):
     _, diffs = sync_chain
     assert [d for d in diffs if d.startswith(LEFTOVER_DIFF)] == []
@@ -182,13 +175,6 @@ def test_random_time_kills_match_uninterrupted_run(reference, tmp_path):
     assert compare_runs(reference_save, save) == [], table
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a kill between the rename and the tracker write of the FIRST save leaves a "
-    "complete iter_0000000 and no tracker; every rerun then plans a fresh start and refuses "
-    "with '--save ... already holds checkpoints (0 complete) that this start would not "
-    "continue' (exit 2), so the run can never finish",
-)
 def test_kill_between_rename_and_tracker_of_first_save_resumes(reference, tmp_path):
     save = tmp_path / "run"
     outcomes = run_with_kills(ARGS, save, [Kill.at("commit_before_tracker")], max_reruns=1)

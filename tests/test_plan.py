@@ -262,3 +262,14 @@ def test_plan_reads_no_tensors(capsys, base, tmp_path, tiny_hf):
     code, p = plan(capsys, *base, "--load", tmp_path)
     assert code == 0 and p["action"] == "resume"
     shutil.rmtree(tmp_path)
+
+
+def test_untracked_checkpoints_of_an_interrupted_first_save_do_not_block(
+    capsys, base, tmp_path, tiny_hf
+):
+    """Killed between rename and tracker on the first save: no tracker means nothing committed."""
+    save = tmp_path / "save"
+    make_checkpoint(save, 0, tiny_hf)
+    (save / TRACKER).unlink()
+    code, p = plan(capsys, *base, "--save", save, "--load", save)
+    assert code == 0 and p["action"] == "fresh" and p["start_rollout_id"] == 0

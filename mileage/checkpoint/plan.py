@@ -17,7 +17,7 @@ the contract; each row has a test in tests/test_plan.py.
 | start == num_rollout                              | action "complete": nothing to train, exit 0               |
 | start > num_rollout                               | error explaining the numbers                              |
 | checkpoint model config != --hf-checkpoint config | error naming the differing fields                         |
-| --save holds checkpoints this start won't continue | error: suggest --load SAVE or a new --save               |
+| --save holds committed checkpoints (a tracker) this start won't continue | error: suggest --load SAVE or a new --save |
 | mode bridge + native source / mode raw + HF source | error naming the mode that fits                          |
 """
 
@@ -307,7 +307,9 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
             f"this run would start at rollout {start} but --num-rollout is {flags.num_rollout}: nothing "
             f"would train. Raise --num-rollout (or --num-epoch) above {start - 1} to continue"
         )
-    elif disk.save is not None and disk.save.checkpoints:
+    elif disk.save is not None and disk.save.tracker.exists and not disk.save.tracker.release:
+        # only a tracker commits iterations; iter dirs without one are the uncommitted leftovers
+        # of an interrupted first save (which this run supersedes), and a release is weights only
         continues_save = action == RESUME and os.path.realpath(source.path).startswith(
             os.path.realpath(disk.save.path) + os.sep
         )

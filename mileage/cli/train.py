@@ -18,9 +18,6 @@ def train_command(cfg: RunConfig) -> int:
     plan = pre.plan
     progress = RunProgress(plan.start_rollout_id, plan.num_rollout)
     progress.print(plan.describe())
-    if plan.action == COMPLETE:
-        progress.print(f"run already complete ({plan.num_rollout} of {plan.num_rollout} rollouts)")
-        return 0
     save = cfg.checkpoint.save
     with SaveDirLock(save) if save else nullcontext() as lock:
         if lock is not None and lock.previous_holder:
@@ -36,6 +33,11 @@ def train_command(cfg: RunConfig) -> int:
             if pre.plan != plan:
                 plan = pre.plan
                 progress.print(plan.describe())
+        if plan.action == COMPLETE:
+            progress.print(
+                f"run already complete ({plan.num_rollout} of {plan.num_rollout} rollouts)"
+            )
+            return 0
         run = build_run(cfg, pre, progress.print)
         with progress:
             records = train(run, progress)
