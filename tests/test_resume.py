@@ -90,3 +90,29 @@ def test_resume_after_every_rollout_matches_uninterrupted_run(
     assert [lr for r in straight for lr in r["lrs"]] == [schedule.lr_at(i) for i in range(8)]
     assert comparable(stepwise) == comparable(straight)
     assert final_digests(save) == final_digests(uninterrupted)
+
+
+def test_resume_rows_run_for_real(cli, tiny_hf, tmp_path):
+    """--ckpt-step, --no-load-optim/--no-load-rng, --finetune, explicit start and release, trained."""
+    save = tmp_path / "run"
+    base = ["train", *fast_train_args(tiny_hf), "--save-interval", 1]
+    assert cli(*base, "--num-rollout", 2, "--save", save, "--load", save).returncode == 0
+    cases = [
+        (["--ckpt-step", 0, "--save", tmp_path / "k"], "resume at rollout 1 of 3"),
+        (
+            ["--no-load-optim", "--no-load-rng", "--save", tmp_path / "n"],
+            "resume at rollout 2 of 3",
+        ),
+        (["--finetune", "--save", tmp_path / "f"], "fresh start at rollout 0 of 3"),
+        (["--start-rollout-id", 1, "--save", tmp_path / "s"], "warning: --start-rollout-id 1"),
+    ]
+    for extra, expected in cases:
+        result = cli(*base, "--num-rollout", 3, "--load", save, *extra)
+        assert result.returncode == 0, result.stderr
+        assert expected in result.stdout, result.stdout
+    release = tmp_path / "rel"
+    assert cli("convert", "--hf-checkpoint", tiny_hf, "--save", release).returncode == 0
+    from_release = cli(*base, "--num-rollout", 1, "--load", release, "--save", release)
+    assert from_release.returncode == 0, from_release.stderr
+    assert "fresh start at rollout 0 of 1" in from_release.stdout
+    assert (release / "iter_0000000").is_dir()
