@@ -73,7 +73,6 @@ SYNC_CHAIN = [
 
 # With --async-save the main thread runs ahead of the save in flight, so where a kill leaves
 # the tracker varies; the hits are chosen so that each kill is reached whichever way it goes.
-# The first save is only killed at its own points: see test_kill_between_rename_and_tracker...
 ASYNC_CHAIN = [
     Kill.at("save_after_model"),  # in the writer thread, while rollout 1 generates
     Kill.at("commit_before_rename"),
