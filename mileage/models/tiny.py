@@ -170,14 +170,19 @@ def ensure_builtin_model(task: str, log=print) -> Path:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(WARMUP_RECIPE["threads"])
     try:
-        torch.manual_seed(WARMUP_RECIPE["seed"])
-        tokenizer = build_char_tokenizer(builtin_alphabet())
-        config = tiny_llama_config(
-            len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
-        )
-        model = LlamaForCausalLM(config)
-        train, _ = builtin_task(task)
-        steps, accuracy = warm_up(model, tokenizer, train, WARMUP_RECIPE, log=log)
+        # fork_rng: a run that builds the model leaves the global RNG as one that found it cached
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(WARMUP_RECIPE["seed"])
+            tokenizer = build_char_tokenizer(builtin_alphabet())
+            config = tiny_llama_config(
+                len(tokenizer),
+                tokenizer.pad_token_id,
+                tokenizer.bos_token_id,
+                tokenizer.eos_token_id,
+            )
+            model = LlamaForCausalLM(config)
+            train, _ = builtin_task(task)
+            steps, accuracy = warm_up(model, tokenizer, train, WARMUP_RECIPE, log=log)
     finally:
         torch.set_num_threads(previous_threads)
     target.parent.mkdir(parents=True, exist_ok=True)
