@@ -1,0 +1,134 @@
+"""Shared plumbing for the scripts in bench/: machine description, tables, JSON results, timing.
+
+Every benchmark records the machine it ran on (CPU model and vector extensions, cores, memory,
+library versions, torch threads) and the load average before and after, because on a 2-core
+machine another process changes timings far more than any code change does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+if str(REPO) not in sys.path:  # `python bench/<name>.py` from anywhere, without installing
+    sys.path.insert(0, str(REPO))
+
+DEFAULT_THREADS = min(2, os.cpu_count() or 1)  # mileage's --num-threads default
+
+
+def cpu_description() -> dict:
+    """CPU model name and the vector extensions that decide fp32/bf16 matmul speed."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+
+
+def memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine_info(threads: int) -> dict:
+    import torch
+    import transformers
+
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    for name in ("trl", "accelerate", "datasets"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return {
+        "cpu": cpu_description(),
+        "memory_gib": memory_gib(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": threads,
+        "versions": versions,
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def spread(values: list[float]) -> str:
+    """min-max as a short string, to show the run-to-run noise next to a median."""
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    if hi >= 100:
+        return f"{lo:.0f}-{hi:.0f}"
+    return f"{lo:.3g}-{hi:.3g}"
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """A GitHub-markdown table of `rows` (dicts) with (key, header) columns; printed and returned."""
+
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return str(value)
+
+    lines = [
+        "| " + " | ".join(header for _, header in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row.get(key, "")) for key, _ in columns) + " |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {path.relative_to(REPO)}", flush=True)
+    return path
+
+
+class Stopwatch:
+    """Wall and process-CPU seconds of a block; CPU time is less disturbed by other processes."""
+
+    def __enter__(self) -> Stopwatch:
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self.wall0
+        self.cpu = time.process_time() - self.cpu0

@@ -1,0 +1,201 @@
+"""Benchmark 2: sampling throughput of mileage's LocalEngine against `transformers` generate.
+
+Both sample the same prompts from the same model at temperature 1, top-p 1, and are forced to
+produce exactly `--new-tokens` tokens per row (EOS ignored: eos id -1 for the engine,
+`eos_token_id=None` for `generate`, which then keeps sampling past EOS without adding a logits
+processor). Prompts are the built-in `mixed` task (addition and string reversal), so rows have
+different lengths and left padding is exercised. Runs of the two engines alternate, after one
+short warm-up each, and the median is reported with the min-max of the repeats.
+
+    python bench/generation.py                                  # tiny model, fp32 + bf16
+    python bench/generation.py --smollm2-dir "$(mileage smollm2)"   # adds SmolLM2-135M (fp32)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+from _common import (
+    DEFAULT_THREADS,
+    Stopwatch,
+    load_average,
+    machine_info,
+    median,
+    print_table,
+    spread,
+    write_results,
+)
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch-sizes", default="64,256", help="comma-separated (default 64,256)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--dtypes", default="fp32,bf16", help="for the tiny model (default fp32,bf16)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine and setting")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    p.add_argument("--smollm2-dir", default=None, help="converted SmolLM2 HF dir (adds that model)")
+    p.add_argument("--smollm2-batch-sizes", default="64,256")
+    p.add_argument("--smollm2-dtypes", default="fp32", help="bf16 is ~10x slower without bf16 HW")
+    p.add_argument("--smollm2-repeats", type=int, default=2)
+    p.add_argument("--skip-tiny", action="store_true")
+    p.add_argument("--out", default="generation", help="results name (bench/results/NAME.json)")
+    return p.parse_args(argv)
+
+
+def mixed_prompts(tokenizer, count: int) -> list[list[int]]:
+    from mileage.rollout.tasks import builtin_task
+
+    records = builtin_task("mixed")[0][:count]
+    return [tokenizer(r["prompt"])["input_ids"] for r in records]
+
+
+def engine_run(model, tokenizer, prompts, new_tokens: int, seed: int):
+    import torch
+
+    from mileage.rollout.engine import LocalEngine, SamplingParams
+
+    engine = LocalEngine(model, tokenizer.pad_token_id, eos_id=-1, max_batch_size=len(prompts))
+    params = SamplingParams(new_tokens, temperature=1.0, top_p=1.0)
+    out = engine.generate(prompts, params, torch.Generator().manual_seed(seed))
+    assert all(len(c.response_ids) == new_tokens for c in out)
+
+
+def hf_run(model, tokenizer, prompts, new_tokens: int, seed: int):
+    import torch
+
+    tokenizer.padding_side = "left"
+    enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    assert out.shape[1] - enc["input_ids"].shape[1] == new_tokens
+
+
+def bench_model(name, model_dir, dtypes, batch_sizes, args, repeats) -> list[dict]:
+    import torch
+
+    from mileage.models.hf import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    rows = []
+    for dtype_name in dtypes:
+        model = load_causal_lm(model_dir, dtype=getattr(torch, DTYPES[dtype_name]))
+        for batch in batch_sizes:
+            prompts = mixed_prompts(tokenizer, batch)
+            runners = {"mileage": engine_run, "transformers": hf_run}
+            for fn in runners.values():  # warm-up: allocator, kernel selection, lazy imports
+                fn(model, tokenizer, prompts, 4, seed=0)
+            wall = {k: [] for k in runners}
+            cpu = {k: [] for k in runners}
+            load_before = load_average()
+            for rep in range(repeats):
+                order = list(runners) if rep % 2 == 0 else list(reversed(runners))
+                for key in order:
+                    with Stopwatch() as sw:
+                        runners[key](model, tokenizer, prompts, args.new_tokens, seed=rep)
+                    wall[key].append(sw.wall)
+                    cpu[key].append(sw.cpu)
+                    print(
+                        f"  {name} {dtype_name} batch {batch} {key}: {sw.wall:.2f}s "
+                        f"({batch * args.new_tokens / sw.wall:.0f} tok/s)",
+                        flush=True,
+                    )
+            tokens = batch * args.new_tokens
+            row = {
+                "model": name,
+                "dtype": dtype_name,
+                "batch": batch,
+                "new_tokens": args.new_tokens,
+                "prompt_len": f"{min(map(len, prompts))}-{max(map(len, prompts))}",
+                "load_before": load_before[0] if load_before else None,
+                "load_after": (load_average() or [None])[0],
+            }
+            for key in runners:
+                row[f"{key}_wall_s"] = wall[key]
+                row[f"{key}_cpu_s"] = cpu[key]
+                row[f"{key}_tok_s"] = tokens / median(wall[key])
+                row[f"{key}_tok_s_range"] = spread([tokens / w for w in wall[key]])
+                row[f"{key}_cpu_tok_s"] = tokens / median(cpu[key])
+            row["speedup"] = row["mileage_tok_s"] / row["transformers_tok_s"]
+            row["cpu_speedup"] = row["mileage_cpu_tok_s"] / row["transformers_cpu_tok_s"]
+            rows.append(row)
+        del model
+        gc.collect()
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from mileage.models.hf import load_tokenizer  # noqa: F401  (offline, quiet HF)
+    from mileage.models.tiny import ensure_builtin_model
+
+    torch.set_num_threads(args.threads)
+    info = machine_info(args.threads)
+    print(f"machine: {info['cpu']}, {args.threads} torch threads, load {load_average()}")
+    rows = []
+    if not args.skip_tiny:
+        tiny = ensure_builtin_model("addition")
+        rows += bench_model(
+            "tiny-3.2M",
+            tiny,
+            args.dtypes.split(","),
+            [int(b) for b in args.batch_sizes.split(",")],
+            args,
+            args.repeats,
+        )
+    if args.smollm2_dir:
+        rows += bench_model(
+            "SmolLM2-135M",
+            args.smollm2_dir,
+            args.smollm2_dtypes.split(","),
+            [int(b) for b in args.smollm2_batch_sizes.split(",")],
+            args,
+            args.smollm2_repeats,
+        )
+    table = print_table(
+        rows,
+        [
+            ("model", "model"),
+            ("dtype", "dtype"),
+            ("batch", "batch"),
+            ("mileage_tok_s", "mileage tok/s"),
+            ("mileage_tok_s_range", "(range)"),
+            ("transformers_tok_s", "generate tok/s"),
+            ("transformers_tok_s_range", "(range)"),
+            ("speedup", "speedup"),
+            ("cpu_speedup", "speedup (CPU time)"),
+            ("load_before", "load (1 min)"),
+        ],
+    )
+    write_results(
+        args.out,
+        {
+            "benchmark": "generation",
+            "machine": info,
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "rows": rows,
+            "table": table,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
