@@ -29,41 +29,16 @@ from pathlib import Path
 import torch
 
 from mileage.checkpoint.layout import read_tracker
+from mileage.testing.compare import compare_runs, count_tensor_differences
 from mileage.testing.crash import (
     KILL_POINTS,
+    STEPS_PER_ROLLOUT,
     Kill,
     Outcome,
-    compare_runs,
-    count_tensor_differences,
+    crash_run_args,
     run_uninterrupted,
     run_with_kills,
 )
-
-# optimizer steps per rollout: rollout batch x samples per prompt / global batch size
-STEPS_PER_ROLLOUT = 2
-
-
-def train_args(num_rollout: int, async_save: bool) -> list[str]:
-    args = [
-        "--num-rollout",
-        str(num_rollout),
-        "--rollout-batch-size",
-        "8",
-        "--n-samples-per-prompt",
-        "4",
-        "--global-batch-size",
-        str(8 * 4 // STEPS_PER_ROLLOUT),
-        "--lr-warmup-iters",
-        "2",
-        "--lr-decay-style",
-        "cosine",
-        "--rollout-shuffle",
-        "--eval-interval",
-        "3",
-        "--num-threads",
-        "1",
-    ]
-    return [*args, "--async-save"] if async_save else args
 
 
 @dataclass
@@ -110,6 +85,8 @@ class KillChooser:
             return None  # a launch failed: the chain is broken, its reruns will say how
         tracker = read_tracker(self.save).iteration
         left = self.num_rollout - (0 if tracker is None else tracker + 1)
+        if left <= 0:
+            return None  # every rollout is committed: nothing left to kill, the rerun finishes
         if self.rng.random() < self.named_fraction:
             point = self.rng.choice(KILL_POINTS)
             per_rollout = STEPS_PER_ROLLOUT if point == "optimizer_step" else 1
@@ -132,7 +109,7 @@ def run_chain(chain: Chain, options, workdir: Path, references: dict[bool, Path]
     )
     started = time.monotonic()
     chain.outcomes = run_with_kills(
-        train_args(options.num_rollout, chain.async_save),
+        crash_run_args(options.num_rollout, chain.async_save),
         save,
         chooser,
         max_reruns=options.max_reruns,
@@ -226,7 +203,7 @@ def report(chains: list[Chain], options, command: str, started: float, loads) ->
         f"Machine: {machine()}",
         "",
         *([options.note, ""] if options.note else []),
-        f"Run settings: `mileage train {' '.join(train_args(options.num_rollout, False))} "
+        f"Run settings: `mileage train {' '.join(crash_run_args(options.num_rollout, False))} "
         "[--async-save] --save D --load D --save-interval 1` (built-in model)",
         "",
         "## Summary",
@@ -275,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     references: dict = {}
     for async_save in (False, True):
         done = run_uninterrupted(
-            train_args(options.num_rollout, async_save), workdir / f"reference-{async_save}"
+            crash_run_args(options.num_rollout, async_save), workdir / f"reference-{async_save}"
         )
         references[async_save] = workdir / f"reference-{async_save}"
         references["seconds"] = max(references.get("seconds", 0.0), done.seconds)
@@ -296,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     while chains:
         with ThreadPoolExecutor(max_workers=options.jobs) as pool:
             done_chains += list(pool.map(one, chains))
-        spent = sum(len(c.outcomes) for c in done_chains)
+        # count only kills that killed, so the table holds at least --kills of them
+        spent = sum(1 for c in done_chains for o in c.outcomes if o.died)
         chains = []
         while spent < options.kills:
             budget = min(options.kills - spent, rng.randint(4, options.max_kills_per_chain))

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from mileage.models.tiny import ensure_builtin_model
+from mileage.testing.compare import LEFTOVER_DIFF, compare_runs
 from mileage.testing.crash import (
-    LEFTOVER_DIFF,
     Kill,
     Launch,
     Outcome,
-    compare_runs,
+    crash_run_args,
     outcome_table,
     random_time_kills,
     run_uninterrupted,
@@ -28,28 +28,8 @@ from mileage.testing.crash import (
 
 pytestmark = pytest.mark.slow
 
-# two optimizer steps per rollout (32 samples, global batch 16), warmup then cosine decay,
-# shuffled prompts, evaluation at rollouts 2 and 5: state a resume has to get exactly right
-ARGS = [
-    "--num-rollout",
-    "6",
-    "--rollout-batch-size",
-    "8",
-    "--n-samples-per-prompt",
-    "4",
-    "--global-batch-size",
-    "16",
-    "--lr-warmup-iters",
-    "2",
-    "--lr-decay-style",
-    "cosine",
-    "--rollout-shuffle",
-    "--eval-interval",
-    "3",
-    "--num-threads",
-    "1",
-]
-ASYNC_ARGS = [*ARGS, "--async-save"]
+ARGS = crash_run_args()
+ASYNC_ARGS = crash_run_args(async_save=True)
 
 # (kill, rollout it hits, tracker after it): with synchronous saves every kill lands at a known
 # place, and each launch resumes where the previous kill left the run
