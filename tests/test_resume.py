@@ -56,10 +56,12 @@ def test_second_run_with_load_starts_at_rollout_2(cli, tiny_hf, tmp_path):
     args = ["train", *fast_train_args(tiny_hf), "--save", save, "--load", save]
     first = cli(*args, "--num-rollout", 2)
     assert first.returncode == 0, first.stderr
+    # planned again under the lock, the same decision is not printed a second time
+    assert first.stdout.count("plan: fresh start at rollout 0 of 2") == 1
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     second = cli(*args, "--num-rollout", 4)
     assert second.returncode == 0, second.stderr
-    assert "resume at rollout 2 of 4" in second.stdout
+    assert second.stdout.count("plan: resume at rollout 2 of 4") == 1
     assert "rollout 0 |" not in second.stdout and "rollout 2 |" in second.stdout
     assert [r["rollout_id"] for r in read_metrics(save)] == [0, 1, 2, 3]
 

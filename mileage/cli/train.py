@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 from mileage.checkpoint.lock import SaveDirLock
 from mileage.checkpoint.plan import COMPLETE
@@ -28,9 +29,10 @@ def train_command(cfg: RunConfig) -> int:
         if save:
             for name in remove_leftovers(save):
                 progress.print(f"removed leftover of an interrupted save: {name}")
-            # the plan was made before taking the lock; another run may have moved the tracker
+            # the plan was made before taking the lock; another run may have moved the tracker.
+            # Reprint it only if the decision changed, not just the wording of its reasons.
             pre = preflight(cfg)
-            if pre.plan != plan:
+            if replace(pre.plan, reasons=()) != replace(plan, reasons=()):
                 plan = pre.plan
                 progress.print(plan.describe())
         if plan.action == COMPLETE:
