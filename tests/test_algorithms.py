@@ -115,3 +115,72 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_hf):
         actor.train_rollout(pack_samples(samples, 0))
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.allclose(weights[0], weights[1], atol=1e-6)
+
+
+def test_logged_entropy_builds_no_graph_but_the_bonus_does():
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    targets = torch.randint(0, 5, (2, 3))
+    logp, logged = token_logprobs(logits, targets, with_entropy=True, entropy_grad=False)
+    assert logp.requires_grad and not logged.requires_grad
+    _, bonus = token_logprobs(logits, targets, with_entropy=True, entropy_grad=True)
+    assert bonus.requires_grad and torch.equal(logged, bonus.detach())
+
+
+def _long_prompt_batch(vocab: int):
+    from mileage.rollout.rollout import Sample
+    from mileage.training.batch import pack_samples
+
+    gen = torch.Generator().manual_seed(3)
+    samples = []
+    for i in range(4):
+        prompt = torch.randint(4, vocab, (9 + i,), generator=gen).tolist()
+        response = torch.randint(4, vocab, (2 + i,), generator=gen).tolist()
+        logprobs = [-1.0] * len(response)
+        samples.append(Sample(None, prompt, response, logprobs, "", float(i % 2), True))
+    return pack_samples(samples, 0)
+
+
+@pytest.mark.parametrize("with_logits_to_keep", [True, False])
+def test_slices_score_only_response_positions_with_the_same_logprobs(tiny_hf, with_logits_to_keep):
+    """The trainer skips the prompt columns no row needs; the log-probs it keeps are the full
+    forward's, whether the model takes `logits_to_keep` or the logits are cut afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    from mileage.training.actor import sequence_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf)
+    if not with_logits_to_keep:
+        full_forward = model.forward
+
+        def forward(input_ids, attention_mask):  # a model without the argument
+            return full_forward(input_ids=input_ids, attention_mask=attention_mask)
+
+        model.forward = forward
+    batch = _long_prompt_batch(model.config.vocab_size)
+    part = batch.slice(0, len(batch))
+    assert part.target_offset == 8  # the shortest prompt has 9 tokens
+    assert part.loss_mask.shape == (4, batch.loss_mask.shape[1] - 8)
+    assert torch.equal(part.loss_mask, batch.loss_mask[:, 8:])
+    with torch.no_grad():
+        full, _ = sequence_logprobs(model, batch, 0.7)
+        kept, _ = sequence_logprobs(model, part, 0.7)
+    assert kept.shape == part.loss_mask.shape
+    mask = part.loss_mask.bool()
+    assert torch.allclose(kept[mask], full[:, 8:][mask], atol=1e-5)
+
+
+def test_reference_logprobs_land_in_their_own_columns(tiny_hf):
+    from transformers import AutoModelForCausalLM
+
+    from mileage.training.actor import Actor, AlgoConfig, sequence_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf)
+    algo = AlgoConfig(kl_coef=0.1, micro_batch_size=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    actor = Actor(model, opt, LRSchedule(0.0, 0, 0, "constant", 1), algo, 1.0, 2, 0, model)
+    batch = _long_prompt_batch(model.config.vocab_size)
+    actor.prepare(batch, micro=2)
+    with torch.no_grad():
+        full, _ = sequence_logprobs(model, batch, 1.0)
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(batch.ref_logprobs[mask], full[mask], atol=1e-5)

@@ -7,6 +7,7 @@ whose gradients accumulate. Reference log-probs are computed once per rollout, n
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,28 @@ class AlgoConfig:
         return gbs, mbs
 
 
-def sequence_logprobs(model, batch: TrainBatch, temperature: float, with_entropy: bool = False):
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    return token_logprobs(logits, batch.targets, temperature, with_entropy)
+def sequence_logprobs(
+    model,
+    batch: TrainBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+):
+    """Log-probs of `batch.targets` (and entropies), from target column `target_offset` on."""
+    keep = batch.input_ids.shape[1] - batch.target_offset
+    if _accepts_logits_to_keep(model):
+        out = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
+        )
+        logits = out.logits[:, :-1]
+    else:
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        logits = out.logits[:, batch.target_offset : -1]
+    return token_logprobs(logits, batch.targets, temperature, with_entropy, entropy_grad)
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 class Actor:
@@ -97,7 +117,8 @@ class Actor:
         for start in range(0, len(batch), micro):
             part = batch.slice(start, start + micro)
             logp, _ = sequence_logprobs(self.reference, part, self.temperature)
-            out[start : start + micro, : logp.shape[1]] = logp
+            first = part.target_offset
+            out[start : start + micro, first : first + logp.shape[1]] = logp
         return out
 
     def prepare(self, batch: TrainBatch, micro: int) -> None:
@@ -153,10 +174,13 @@ class Actor:
         return result
 
     def _accumulate(self, part: TrainBatch, global_tokens: torch.Tensor) -> dict[str, float]:
-        want_entropy_grad = self.algo.entropy_coef != 0.0
-        logp, entropy = sequence_logprobs(self.model, part, self.temperature, with_entropy=True)
-        if not want_entropy_grad:
-            entropy = entropy.detach()
+        logp, entropy = sequence_logprobs(
+            self.model,
+            part,
+            self.temperature,
+            with_entropy=True,
+            entropy_grad=self.algo.entropy_coef != 0.0,
+        )
         mask = part.loss_mask
         pg_sum, clip_stats = ppo_clip_loss(
             logp,

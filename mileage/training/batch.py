@@ -2,7 +2,10 @@
 
 Sequences are prompt + response, right-padded. Everything per-token lives in "target" space:
 position i of `targets`, `loss_mask`, `old_logprobs`, ... refers to token i+1 of the sequence,
-the token predicted by the logits at position i.
+the token predicted by the logits at position i. A slice drops the leading target columns in
+which no row has a response token (`target_offset` of them), so the trainer computes logits
+only from the first response position on: with a long shared prompt (a chat template, a system
+prompt) most of the LM head and log-softmax work would otherwise be spent on prompt positions.
 """
 
 from __future__ import annotations
@@ -21,29 +24,36 @@ class TrainBatch:
     rewards: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    # per-token tensors start at this target column (input_ids and attention_mask do not)
+    target_offset: int = 0
 
     @property
     def targets(self) -> torch.Tensor:
-        return self.input_ids[:, 1:]
+        return self.input_ids[:, 1 + self.target_offset :]
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def slice(self, start: int, stop: int) -> TrainBatch:
-        """Rows [start, stop), trimmed to the longest sequence among them."""
+        """Rows [start, stop), trimmed to the longest sequence among them and to the columns
+        from the first response token among them on."""
+        assert self.target_offset == 0, "slice a packed batch, not a slice"
         width = int(self.attention_mask[start:stop].sum(dim=1).max())
+        has_loss = self.loss_mask[start:stop].any(dim=0).nonzero()
+        lead = int(has_loss[0]) if len(has_loss) else 0
 
-        def cut(t: torch.Tensor | None, w: int) -> torch.Tensor | None:
-            return None if t is None else t[start:stop, :w]
+        def cut(t: torch.Tensor | None, first: int, last: int) -> torch.Tensor | None:
+            return None if t is None else t[start:stop, first:last]
 
         return TrainBatch(
-            input_ids=cut(self.input_ids, width),
-            attention_mask=cut(self.attention_mask, width),
-            loss_mask=cut(self.loss_mask, width - 1),
-            old_logprobs=cut(self.old_logprobs, width - 1),
+            input_ids=cut(self.input_ids, 0, width),
+            attention_mask=cut(self.attention_mask, 0, width),
+            loss_mask=cut(self.loss_mask, lead, width - 1),
+            old_logprobs=cut(self.old_logprobs, lead, width - 1),
             rewards=self.rewards[start:stop],
-            ref_logprobs=cut(self.ref_logprobs, width - 1),
-            advantages=cut(self.advantages, width - 1),
+            ref_logprobs=cut(self.ref_logprobs, lead, width - 1),
+            advantages=cut(self.advantages, lead, width - 1),
+            target_offset=lead,
         )
 
 

@@ -15,11 +15,14 @@ def token_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) per position (and the entropy of each position's distribution).
 
     `logits[:, i]` scores `targets[:, i]`. The log-prob is gathered before normalising
-    (logit - logsumexp), so the full log-softmax is only built when entropy is requested.
+    (logit - logsumexp), so the full log-softmax is only built when entropy is requested, and
+    with `entropy_grad=False` (entropy only logged) it is built outside autograd, so none of
+    its vocabulary-sized intermediates is kept for the backward pass.
     """
     logits = logits.float()
     if temperature not in (0.0, 1.0):
@@ -28,8 +31,9 @@ def token_logprobs(
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm
     entropy = None
     if with_entropy:
-        log_probs = logits - norm.unsqueeze(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            log_probs = logits - norm.unsqueeze(-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logp, entropy
 
 
