@@ -101,3 +101,32 @@ def test_convert_then_raw_mode_and_export(cli, tiny_hf, tmp_path):
     saved = load_tensors(save / "iter_0000000" / "model")
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     assert (out / "tokenizer.json").is_file()
+
+
+def test_async_snapshots_reuse_the_previous_buffers_and_commit_the_live_values(tmp_path):
+    import torch
+
+    from mileage.checkpoint.store import CheckpointState, load_tensors, verify_checkpoint
+    from mileage.checkpoint.writer import CheckpointWriter
+
+    live = {"w": torch.zeros(64, 8), "b": torch.zeros(8)}
+    writer = CheckpointWriter(tmp_path, async_save=True)
+    buffers = []
+    for rollout_id in range(3):
+        for t in live.values():
+            t.fill_(float(rollout_id + 1))
+        writer.save(rollout_id, CheckpointState(model=live, meta={"rollout_id": rollout_id}))
+        for t in live.values():
+            t.fill_(-1.0)  # training goes on while the snapshot is written
+        buffers.append(writer._last_snapshot.model["w"].data_ptr())
+    writer.wait()
+    assert buffers[1] == buffers[2], "the second snapshot did not reuse the first one's buffer"
+    for rollout_id in range(3):
+        ckpt = tmp_path / f"iter_{rollout_id:07d}"
+        assert verify_checkpoint(ckpt) == []
+        saved = load_tensors(ckpt / "model")
+        assert all(torch.all(t == rollout_id + 1) for t in saved.values())
+    # a changed shape gets a fresh buffer instead of a wrong copy
+    grown = CheckpointState(model={"w": torch.ones(65, 8)}, meta={})
+    snapshot = grown.copied(reuse=writer._last_snapshot)
+    assert snapshot.model["w"].shape == (65, 8) and torch.all(snapshot.model["w"] == 1)

@@ -1,7 +1,8 @@
 """Writing, committing, loading and verifying checkpoints.
 
 Commit order (a kill at any instant leaves the tracker absent or naming a complete checkpoint):
-  1. write everything under SAVE/.staging-<name>-<pid>-<n>/, fsync each file, manifest last;
+  1. write everything under SAVE/.staging-<name>-<pid>-<n>/, fsync each file (while hashing
+     it for the manifest), then the manifest;
   2. rename the staging directory to iter_{N:07d} and fsync SAVE;
   3. replace the tracker atomically (temp file, fsync, rename, fsync SAVE).
 Only then are old checkpoints pruned (`--save-keep-last`), never the one the tracker names.
@@ -22,6 +23,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,21 +71,31 @@ class CheckpointState:
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     trainer: dict = field(default_factory=dict)
 
-    def copied(self) -> CheckpointState:
-        """A deep copy in CPU memory, so training can go on while a background thread writes."""
+    def copied(self, reuse: CheckpointState | None = None) -> CheckpointState:
+        """A deep copy in CPU memory, so training can go on while a background thread writes.
 
-        def clone(tensors):
-            return (
-                None
-                if tensors is None
-                else {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
-            )
+        Tensors are copied into `reuse`'s buffers where name, shape and dtype match (the
+        previous snapshot, once its write is done): freshly allocated memory is first touched
+        page by page during the copy, which made it about twice as slow.
+        """
+
+        def clone(tensors, old):
+            if tensors is None:
+                return None
+            old = old or {}
+            out = {}
+            for name, value in tensors.items():
+                buffer = old.get(name)
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu")
+                out[name] = buffer.copy_(value.detach())
+            return out
 
         return CheckpointState(
-            clone(self.model),
+            clone(self.model, reuse and reuse.model),
             json.loads(json.dumps(self.meta)),
-            clone(self.optimizer),
-            clone(self.rng),
+            clone(self.optimizer, reuse and reuse.optimizer),
+            clone(self.rng, reuse and reuse.rng),
             json.loads(json.dumps(self.trainer)),
         )
 
@@ -136,9 +148,22 @@ def _quiet_dcp() -> Iterator[None]:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """Write `tensors` as a DCP directory; its files are fsynced later, by `_sync_and_hash`."""
     with _quiet_dcp():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=False))
     fsync_path(directory)
+
+
+def _sync_and_hash(files: list[Path]) -> dict[Path, str]:
+    """fsync every file and take its sha256, overlapped: the flush waits on the disk while the
+    hash runs on a core (hashlib releases the GIL), so a save costs about the slower of the
+    two instead of their sum. Raises the first OSError."""
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="mileage-sync") as pool:
+        syncs = [pool.submit(fsync_path, path) for path in files]
+        digests = {path: pool.submit(file_sha256, path) for path in files}
+        for done in syncs:
+            done.result()
+        return {path: done.result() for path, done in digests.items()}
 
 
 def load_tensors(
@@ -183,10 +208,11 @@ def _write_contents(directory: Path, state: CheckpointState) -> None:
     for name in required:  # a directory deleted under the save must not commit as "complete"
         if not (directory / name).is_file():
             raise FileNotFoundError(errno.ENOENT, "written file vanished", str(directory / name))
-    files = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        rel = path.relative_to(directory).as_posix()
-        files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    digests = _sync_and_hash(sorted(p for p in directory.rglob("*") if p.is_file()))
+    files = {
+        path.relative_to(directory).as_posix(): {"size": path.stat().st_size, "sha256": digest}
+        for path, digest in digests.items()
+    }
     write_json_durably(directory / MANIFEST, {"files": files})
     fsync_path(directory)
 

@@ -28,13 +28,15 @@ class CheckpointWriter:
         self.on_commit = on_commit or (lambda rollout_id, path: None)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._last_snapshot: CheckpointState | None = None
 
     def save(self, rollout_id: int, state: CheckpointState) -> None:
         self.wait()
         if not self.async_save:
             self._commit(rollout_id, state)
             return
-        snapshot = state.copied()
+        snapshot = state.copied(reuse=self._last_snapshot)
+        self._last_snapshot = snapshot  # written by then: the next save waits for this one
         self._thread = threading.Thread(
             target=self._commit_in_background,
             args=(rollout_id, snapshot),
