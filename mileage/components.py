@@ -30,6 +30,7 @@ from mileage.checkpoint.store import (
     load_model_weights,
     load_optimizer_tensors,
     load_rng_tensors,
+    model_tensors,
     optimizer_tensors,
     read_json,
     verify_checkpoint,
@@ -228,7 +229,7 @@ def restore(run: Run, log) -> None:
 def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
     rng_tensors, rng_plain = capture_rng_state()
     return CheckpointState(
-        model=run.model.state_dict(),
+        model=model_tensors(run.model),
         optimizer=optimizer_tensors(run.model, run.actor.optimizer),
         rng=rng_tensors,
         trainer={"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain},

@@ -130,3 +130,28 @@ def test_async_snapshots_reuse_the_previous_buffers_and_commit_the_live_values(t
     grown = CheckpointState(model={"w": torch.ones(65, 8)}, meta={})
     snapshot = grown.copied(reuse=writer._last_snapshot)
     assert snapshot.model["w"].shape == (65, 8) and torch.all(snapshot.model["w"] == 1)
+
+
+def test_tied_embeddings_are_stored_once_and_load_tied(tiny_hf, tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from mileage.checkpoint.store import (
+        CheckpointState,
+        commit_checkpoint,
+        load_model_weights,
+        model_tensors,
+    )
+    from mileage.models.hf import empty_causal_lm, load_causal_lm
+
+    model = load_causal_lm(tiny_hf)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ckpt = commit_checkpoint(tmp_path, 0, CheckpointState(model=model_tensors(model), meta={}))
+    stored = dcp.FileSystemReader(str(ckpt / "model")).read_metadata().state_dict_metadata
+    assert "model.embed_tokens.weight" in stored and "lm_head.weight" not in stored
+    assert set(stored) == set(model.state_dict()) - {"lm_head.weight"}
+    fresh = empty_causal_lm(tiny_hf)
+    load_model_weights(ckpt, fresh)
+    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name

@@ -19,6 +19,7 @@ from mileage.checkpoint.store import (
     CheckpointState,
     commit_checkpoint,
     load_model_weights,
+    model_tensors,
     verify_checkpoint,
 )
 from mileage.errors import UserError
@@ -61,7 +62,7 @@ def write_release(hf_checkpoint: str | Path, save_dir: str | Path) -> Path:
         read_config_json(hf_checkpoint), rollout_id=None, source=str(hf_checkpoint)
     )
     return commit_checkpoint(
-        save_dir, RELEASE, CheckpointState(model=model.state_dict(), meta=meta)
+        save_dir, RELEASE, CheckpointState(model=model_tensors(model), meta=meta)
     )
 
 

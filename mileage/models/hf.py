@@ -49,6 +49,13 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> torc
 
 def empty_causal_lm(config_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The architecture of `config_dir` with uninitialised-then-overwritten weights (for native loads)."""
+    from transformers.initialization import no_init_weights
+
+    from mileage.seeding import overwritten_allocations
+
     config = AutoConfig.from_pretrained(str(config_dir))
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # the weights are loaded over right after: random init (1.5 s on SmolLM2) would be wasted
+    with no_init_weights(), overwritten_allocations():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # no_init_weights also skips the tying
     return model.eval()
