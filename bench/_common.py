@@ -7,6 +7,7 @@ machine another process changes timings far more than any code change does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -66,10 +67,8 @@ def machine_info(threads: int) -> dict:
         "transformers": transformers.__version__,
     }
     for name in ("trl", "accelerate", "datasets"):
-        try:
+        with contextlib.suppress(ImportError):
             versions[name] = __import__(name).__version__
-        except ImportError:
-            pass
     return {
         "cpu": cpu_description(),
         "memory_gib": memory_gib(),

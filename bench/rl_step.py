@@ -53,7 +53,9 @@ LR = 1e-4
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS)
-    p.add_argument("--smollm2-dir", default=None, help="converted SmolLM2 HF dir (adds that config)")
+    p.add_argument(
+        "--smollm2-dir", default=None, help="converted SmolLM2 HF dir (adds that config)"
+    )
     p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (per config)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first steps per run")
@@ -108,7 +110,9 @@ def mileage_run(config: dict, model_dir: str | None, threads: int) -> dict:
         code, wall, rss, output = run_measured(cmd)
         if code != 0:
             raise RuntimeError(f"mileage train failed ({code}):\n{output[-3000:]}")
-        records = [json.loads(line) for line in (Path(save) / "metrics.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line) for line in (Path(save) / "metrics.jsonl").read_text().splitlines()
+        ]
     timed = records[config["warmup"] :]
     return {
         "framework": "mileage",
@@ -164,7 +168,9 @@ def trl_worker(args: argparse.Namespace) -> int:
     # TRL tokenizes prompts without special tokens; mileage's built-in tokenizer adds <bos>
     # itself, so spell it out to give both frameworks the same prompt ids
     prefix = tokenizer.bos_token if config["name"] == "tiny" else ""
-    rows = [{"prompt": prefix + r["prompt"], "answer": r["label"]} for r in builtin_task("addition")[0]]
+    rows = [
+        {"prompt": prefix + r["prompt"], "answer": r["label"]} for r in builtin_task("addition")[0]
+    ]
 
     def reward_exact(completions, answer, **_):
         return [float(c.strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
