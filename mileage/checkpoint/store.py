@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -175,6 +175,7 @@ def load_tensors(
     """Load a DCP tensor directory; into `into`'s tensors in place if given, else fresh tensors."""
     import torch.distributed.checkpoint as dcp
 
+    prefetch_checkpoint(directory)
     reader = dcp.FileSystemReader(str(directory))
     metadata = reader.read_metadata().state_dict_metadata
     if any(not hasattr(m, "size") for m in metadata.values()):
@@ -343,6 +344,29 @@ def read_json(checkpoint: str | Path, name: str) -> dict:
     return json.loads((Path(checkpoint) / name).read_text())
 
 
+def prefetch(paths: Iterable[Path]) -> None:
+    """Ask the kernel to start reading these files into the page cache, without waiting.
+
+    A load alternates reading with CPU work (hashing, copying into tensors); with the reads
+    queued up front the disk streams at full speed while the CPU works.
+    """
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # the load itself reports missing files
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # advice only
+        finally:
+            os.close(fd)
+
+
+def prefetch_checkpoint(checkpoint: str | Path) -> None:
+    prefetch(sorted(p for p in Path(checkpoint).rglob("*") if p.is_file()))
+
+
 def verify_checkpoint(checkpoint: str | Path) -> list[str]:
     """Problems found by re-hashing every file against the manifest ([] = intact)."""
     checkpoint = Path(checkpoint)
@@ -350,11 +374,16 @@ def verify_checkpoint(checkpoint: str | Path) -> list[str]:
     if not info.complete:
         return [info.problem]
     manifest = json.loads((checkpoint / MANIFEST).read_text())
-    problems = []
-    for name, entry in manifest["files"].items():
-        if file_sha256(checkpoint / name) != entry["sha256"]:
-            problems.append(f"{checkpoint / name}: checksum mismatch")
-    return problems
+    paths = [checkpoint / name for name in manifest["files"]]
+    prefetch(paths)
+    # hashlib releases the GIL, so files hash in parallel on all cores
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        digests = list(pool.map(file_sha256, paths))
+    return [
+        f"{path}: checksum mismatch"
+        for path, digest, entry in zip(paths, digests, manifest["files"].values(), strict=True)
+        if digest != entry["sha256"]
+    ]
 
 
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
