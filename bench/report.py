@@ -29,7 +29,7 @@ def bars(ax, labels: list[str], series: list[tuple[str, list[float], str]], unit
     for i, (name, values, color) in enumerate(series):
         xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
         drawn = ax.bar(xs, values, width, label=name, color=color)
-        ax.bar_label(drawn, fmt="%.3g", fontsize=7, padding=1)
+        ax.bar_label(drawn, fmt="%.4g", fontsize=7, padding=1)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel(unit)
     ax.legend(fontsize=8)
