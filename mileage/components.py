@@ -32,7 +32,6 @@ from mileage.checkpoint.store import (
     load_rng_tensors,
     model_tensors,
     optimizer_tensors,
-    prefetch_checkpoint,
     read_json,
     verify_checkpoint,
 )
@@ -121,7 +120,6 @@ class Run:
 def _load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
     if fmt == "hf":
         return load_causal_lm(path)
-    prefetch_checkpoint(path)  # the optimizer state streams in while the weights load
     problems = verify_checkpoint(path)
     if problems:
         raise UserError(
