@@ -1,10 +1,12 @@
-"""Named fault-injection points for the crash-anywhere and faulty-disk tests.
+"""Named fault-injection points for the crash-anywhere, faulty-disk and preemption tests.
 
 `MILEAGE_KILL_AT=<point>[:<hit>]` makes the process SIGKILL itself the <hit>-th time (default
 1st) execution reaches `fault_point(<point>)`. `MILEAGE_FAIL_AT=<point>:<ERRNO>[:<hit>]` raises
 `OSError(ERRNO)` there instead (ENOSPC, EIO, EACCES...), and `<point>:DELETE` removes the
-directory passed to the fault point, as if deleted under the run. Unset, a fault point costs a
-string comparison.
+directory passed to the fault point, as if deleted under the run.
+`MILEAGE_SIGNAL_AT=<point>:<SIGNAME>[:<hit>]` sends the process that signal there, so that a
+SIGTERM lands at a known place (e.g. a second one inside a save). Each variable may hold several
+comma-separated specs. Unset, a fault point costs a loop over an empty list.
 """
 
 from __future__ import annotations
@@ -13,31 +15,46 @@ import errno
 import os
 import shutil
 import signal
+from dataclasses import dataclass
 
 
-def _parse(variable: str) -> tuple[str, str, int]:
-    point, _, rest = os.environ.get(variable, "").partition(":")
-    if variable == "MILEAGE_KILL_AT":
-        return point, "", int(rest or 1)
-    action, _, hit = rest.partition(":")
-    return point, action, int(hit or 1)
+@dataclass
+class _Spec:
+    variable: str
+    point: str
+    action: str  # "" (kill), an errno name or DELETE (fail), a signal name (signal)
+    hits_left: int
 
 
-_kill_point, _, _kill_hits = _parse("MILEAGE_KILL_AT")
-_fail_point, _fail_action, _fail_hits = _parse("MILEAGE_FAIL_AT")
+def _parse() -> list[_Spec]:
+    specs = []
+    for variable in ("MILEAGE_KILL_AT", "MILEAGE_FAIL_AT", "MILEAGE_SIGNAL_AT"):
+        for spec in filter(None, os.environ.get(variable, "").split(",")):
+            point, _, rest = spec.partition(":")
+            if variable == "MILEAGE_KILL_AT":
+                action, hit = "", rest
+            else:
+                action, _, hit = rest.partition(":")
+            specs.append(_Spec(variable, point, action, int(hit or 1)))
+    return specs
+
+
+_specs = _parse()
 
 
 def fault_point(name: str, path: str | os.PathLike | None = None) -> None:
-    global _kill_hits, _fail_hits
-    if name == _kill_point:
-        _kill_hits -= 1
-        if _kill_hits == 0:
+    for spec in _specs:
+        if spec.point != name:
+            continue
+        spec.hits_left -= 1
+        if spec.hits_left != 0:
+            continue
+        if spec.variable == "MILEAGE_KILL_AT":
             os.kill(os.getpid(), signal.SIGKILL)
-    if name == _fail_point:
-        _fail_hits -= 1
-        if _fail_hits == 0:
-            if _fail_action == "DELETE":
-                shutil.rmtree(path, ignore_errors=True)
-                return
-            code = getattr(errno, _fail_action)
+        elif spec.variable == "MILEAGE_SIGNAL_AT":
+            os.kill(os.getpid(), getattr(signal, spec.action))
+        elif spec.action == "DELETE":
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            code = getattr(errno, spec.action)
             raise OSError(code, os.strerror(code), str(path) if path else None)

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from mileage.checkpoint.config import CheckpointConfig
-from mileage.config import add_options, from_namespace, option
+from mileage.config import add_options, flag_of, from_namespace, option
 from mileage.errors import UserError
 from mileage.rollout.data import DataConfig
 from mileage.rollout.rewards import RewardConfig
@@ -71,40 +71,54 @@ class RunConfig:
         cfg.validate()
         return cfg
 
+    # counts and lengths that must be > 0, and values that must be >= 0, by (section, field);
+    # a value of None means "not given" and is left to its default
+    POSITIVE = (
+        ("rollout", "rollout_batch_size"),
+        ("rollout", "n_samples_per_prompt"),
+        ("rollout", "rollout_max_response_len"),
+        ("loop", "num_threads"),
+        ("loop", "num_rollout"),
+        ("loop", "num_epoch"),
+        ("loop", "debug_exit_after_rollout"),
+        ("checkpoint", "save_interval"),
+        ("checkpoint", "save_keep_last"),
+        ("algo", "global_batch_size"),
+        ("algo", "micro_batch_size"),
+        ("optim", "lr_decay_iters"),
+    )
+    NON_NEGATIVE = (
+        ("loop", "eval_interval"),
+        ("checkpoint", "start_rollout_id"),
+        ("checkpoint", "ckpt_step"),
+        ("checkpoint", "ref_ckpt_step"),
+        ("rollout", "rollout_temperature"),
+        ("optim", "lr"),
+        ("optim", "min_lr"),
+        ("optim", "lr_warmup_iters"),
+        ("optim", "weight_decay"),
+        ("optim", "adam_eps"),
+        ("optim", "clip_grad"),
+    )
+
     def validate(self) -> None:
         r = self.rollout
-        positive = {
-            "--rollout-batch-size": r.rollout_batch_size,
-            "--n-samples-per-prompt": r.n_samples_per_prompt,
-            "--rollout-max-response-len": r.rollout_max_response_len,
-            "--num-threads": self.loop.num_threads,
-        }
-        optional_positive = {
-            "--num-rollout": self.loop.num_rollout,
-            "--num-epoch": self.loop.num_epoch,
-            "--save-interval": self.checkpoint.save_interval,
-            "--save-keep-last": self.checkpoint.save_keep_last,
-            "--global-batch-size": self.algo.global_batch_size,
-            "--micro-batch-size": self.algo.micro_batch_size,
-        }
-        for flag, value in {
-            **positive,
-            **{k: v for k, v in optional_positive.items() if v is not None},
-        }.items():
-            if value <= 0:
-                raise UserError(f"{flag} must be positive, got {value}")
+        for fields, positive in ((self.POSITIVE, True), (self.NON_NEGATIVE, False)):
+            for section, name in fields:
+                value = getattr(getattr(self, section), name)
+                if value is not None and (value <= 0 if positive else value < 0):
+                    flag = flag_of(type(getattr(self, section)), name)
+                    raise UserError(
+                        f"{flag} must be {'positive' if positive else '>= 0'}, got {value}"
+                    )
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self.optim, name)
+            if not 0.0 <= value < 1.0:
+                raise UserError(f"{flag_of(OptimConfig, name)} must be in [0, 1), got {value}")
         if self.loop.num_rollout is not None and self.loop.num_epoch is not None:
             raise UserError("give --num-rollout or --num-epoch, not both")
         if not 0.0 < r.rollout_top_p <= 1.0:
             raise UserError(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p}")
-        if r.rollout_temperature < 0:
-            raise UserError(f"--rollout-temperature must be >= 0, got {r.rollout_temperature}")
-        for flag, value in (
-            ("--start-rollout-id", self.checkpoint.start_rollout_id),
-            ("--ckpt-step", self.checkpoint.ckpt_step),
-        ):
-            if value is not None and value < 0:
-                raise UserError(f"{flag} must be >= 0, got {value}")
         if self.algo.advantage_estimator == "grpo" and r.n_samples_per_prompt < 2:
             raise UserError(
                 "grpo needs --n-samples-per-prompt >= 2 (advantages are relative to the group)"

@@ -84,3 +84,62 @@ def fast_train_args(hf_dir: Path, *extra: str) -> list[str]:
         "1",
         *extra,
     ]
+
+
+def builtin_train_args(*extra: str) -> list[str]:
+    """Flags for a seconds-long `mileage train` on the built-in model, which learns: its rewards
+    vary within groups, so gradients are non-zero and runs that differ end with other weights."""
+    return [
+        "--rollout-batch-size",
+        "8",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "4",
+        "--eval-interval",
+        "0",
+        "--num-threads",
+        "1",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def builtin_model(mileage_home) -> Path:
+    """The built-in model's directory, built once per test session (cached in MILEAGE_HOME)."""
+    from mileage.models.tiny import ensure_builtin_model
+
+    # built here rather than by a first launch: a process that builds the model ends with
+    # another global RNG state, which its checkpoints record, than one that finds it cached
+    with torch.random.fork_rng():
+        return ensure_builtin_model("addition")
+
+
+def assert_learned(save: Path, start: Path) -> None:
+    """A comparison of two runs proves something only if training changed the weights."""
+    from mileage.testing.compare import learning_problems
+
+    problems = learning_problems(save, start)
+    assert problems == [], problems
+
+
+@pytest.fixture(scope="session")
+def crash_reference(builtin_model, tmp_path_factory):
+    """An uninterrupted run of the crash harness's command (sync saves): (save dir, launch)."""
+    from mileage.testing.crash import crash_run_args, run_uninterrupted
+
+    save = tmp_path_factory.mktemp("reference") / "run"
+    launch = run_uninterrupted(crash_run_args(), save)
+    assert_learned(save, builtin_model)
+    return save, launch
+
+
+@pytest.fixture(scope="session")
+def crash_reference_async(builtin_model, tmp_path_factory) -> Path:
+    """The same run with --async-save (its checkpoints must equal the sync run's)."""
+    from mileage.testing.crash import crash_run_args, run_uninterrupted
+
+    save = tmp_path_factory.mktemp("reference_async") / "run"
+    run_uninterrupted(crash_run_args(async_save=True), save)
+    assert_learned(save, builtin_model)
+    return save

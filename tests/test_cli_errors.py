@@ -1,30 +1,109 @@
-"""Bad input: one readable line, exit code 2, no traceback, nothing written."""
+"""Bad input: one readable line naming the problem, exit code 2, no traceback, nothing written.
+
+Each case asserts its own message, so a check that is missing cannot hide behind a later,
+unrelated one that happens to exit 2 as well.
+"""
 
 from __future__ import annotations
 
 import pytest
 from conftest import fast_train_args
 
+from mileage.cli.main import main
+
+# every count or length flag: zero and negative are refused by their own check
+POSITIVE_FLAGS = [
+    "--rollout-batch-size",
+    "--n-samples-per-prompt",
+    "--rollout-max-response-len",
+    "--num-threads",
+    "--num-rollout",
+    "--num-epoch",
+    "--debug-exit-after-rollout",
+    "--save-interval",
+    "--save-keep-last",
+    "--global-batch-size",
+    "--micro-batch-size",
+    "--lr-decay-iters",
+]
+NON_NEGATIVE_FLAGS = [
+    "--eval-interval",
+    "--start-rollout-id",
+    "--ckpt-step",
+    "--ref-ckpt-step",
+    "--rollout-temperature",
+    "--lr",
+    "--min-lr",
+    "--lr-warmup-iters",
+    "--weight-decay",
+    "--adam-eps",
+    "--clip-grad",
+]
+LIMIT_CASES = {
+    **{f"{flag} 0": ([flag, "0"], f"{flag} must be positive, got 0") for flag in POSITIVE_FLAGS},
+    **{f"{flag} -3": ([flag, "-3"], f"{flag} must be positive, got -3") for flag in POSITIVE_FLAGS},
+    **{f"{flag} -1": ([flag, "-1"], f"{flag} must be >= 0, got -1") for flag in NON_NEGATIVE_FLAGS},
+    "--adam-beta1 1": (["--adam-beta1", "1"], "--adam-beta1 must be in [0, 1), got 1.0"),
+    "--adam-beta2 -0.1": (["--adam-beta2", "-0.1"], "--adam-beta2 must be in [0, 1), got -0.1"),
+    "--rollout-top-p 1.5": (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1]"),
+    "--rollout-top-p 0": (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIMIT_CASES))
+def test_every_limit_has_its_own_one_line_error(tiny_hf, tmp_path, capsys, case):
+    extra, message = LIMIT_CASES[case]
+    save = tmp_path / "save"
+    args = [*fast_train_args(tiny_hf), "--num-rollout", "1", "--save", str(save)]
+    code = main(["train", *map(str, args), *extra])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mileage: error: ") and message in lines[0], err
+    assert not save.exists()
+
 
 @pytest.fixture
-def bad_inputs(tmp_path, tiny_hf):
+def bad_inputs(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n')
     return {
-        "unknown flag": ["--no-such-flag"],
-        "bad choice": ["--advantage-estimator", "ppo2"],
-        "not a number": ["--rollout-batch-size", "many"],
-        "missing prompt file": ["--prompt-data", tmp_path / "missing.jsonl"],
-        "missing jsonl key": ["--prompt-data", data],
-        "unimportable reward": ["--custom-rm-path", "no_such_module_abc:score"],
-        "negative batch": ["--rollout-batch-size", "-4"],
-        "zero samples": ["--n-samples-per-prompt", "0"],
-        "non-dividing global batch": ["--global-batch-size", "5"],
-        "non-dividing micro batch": ["--global-batch-size", "8", "--micro-batch-size", "3"],
-        "missing hf checkpoint": ["--hf-checkpoint", tmp_path / "no_model"],
-        "bad top-p": ["--rollout-top-p", "1.5"],
-        "both num flags": ["--num-rollout", "3", "--num-epoch", "1"],
-        "ckpt-step without load": ["--ckpt-step", "0"],
+        "unknown flag": (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        "bad choice": (["--advantage-estimator", "ppo2"], "invalid choice: 'ppo2'"),
+        "not a number": (["--rollout-batch-size", "many"], "invalid int value: 'many'"),
+        "missing prompt file": (
+            ["--prompt-data", tmp_path / "missing.jsonl"],
+            "prompt file not found",
+        ),
+        "missing jsonl key": (["--prompt-data", data], "data.jsonl:1: missing key 'prompt'"),
+        "unimportable reward": (
+            ["--custom-rm-path", "no_such_module_abc:score"],
+            "--custom-rm-path: cannot import 'no_such_module_abc'",
+        ),
+        "grpo with one sample": (
+            ["--n-samples-per-prompt", "1"],
+            "grpo needs --n-samples-per-prompt >= 2",
+        ),
+        "non-dividing global batch": (
+            ["--global-batch-size", "5"],
+            "--global-batch-size 5 does not divide the 16 samples",
+        ),
+        "non-dividing micro batch": (
+            ["--global-batch-size", "8", "--micro-batch-size", "3"],
+            "--micro-batch-size 3 does not divide --global-batch-size 8",
+        ),
+        "missing hf checkpoint": (
+            ["--hf-checkpoint", tmp_path / "no_model"],
+            "no_model has no config.json",
+        ),
+        "both num flags": (
+            ["--num-rollout", "3", "--num-epoch", "1"],
+            "give --num-rollout or --num-epoch, not both",
+        ),
+        "ckpt-step without load": (
+            ["--ckpt-step", "0"],
+            "--ckpt-step selects a checkpoint under --load; --load is not set",
+        ),
     }
 
 
@@ -37,12 +116,10 @@ def bad_inputs(tmp_path, tiny_hf):
         "missing prompt file",
         "missing jsonl key",
         "unimportable reward",
-        "negative batch",
-        "zero samples",
+        "grpo with one sample",
         "non-dividing global batch",
         "non-dividing micro batch",
         "missing hf checkpoint",
-        "bad top-p",
         "both num flags",
         "ckpt-step without load",
     ],
@@ -50,13 +127,13 @@ def bad_inputs(tmp_path, tiny_hf):
 def test_bad_train_input_is_one_line_exit_2_nothing_written(
     cli, tiny_hf, tmp_path, bad_inputs, case
 ):
+    extra, message = bad_inputs[case]
     save = tmp_path / "save"
-    result = cli(
-        "train", *fast_train_args(tiny_hf), "--num-rollout", 1, "--save", save, *bad_inputs[case]
-    )
+    result = cli("train", *fast_train_args(tiny_hf), "--num-rollout", 1, "--save", save, *extra)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mileage: error: "), result.stderr
+    assert message in lines[0], lines[0]
     assert "Traceback" not in result.stderr
     assert not save.exists()
 

@@ -11,18 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from mileage.models.tiny import ensure_builtin_model
 from mileage.testing.compare import LEFTOVER_DIFF, compare_runs
 from mileage.testing.crash import (
+    LOOP_POINTS,
+    SAVE_POINTS,
     Kill,
     Launch,
     Outcome,
+    aimed_random_kills,
     crash_run_args,
+    landed_mid_run,
     outcome_table,
-    random_time_kills,
-    run_uninterrupted,
     run_with_kills,
 )
 
@@ -32,31 +32,44 @@ ARGS = crash_run_args()
 ASYNC_ARGS = crash_run_args(async_save=True)
 
 # (kill, rollout it hits, tracker after it): with synchronous saves every kill lands at a known
-# place, and each launch resumes where the previous kill left the run
+# place, and each launch resumes where the previous kill left the run. Every gap of the commit
+# order (store.py) is hit once while saving rollout 0.
 SYNC_CHAIN = [
     (Kill.at("rollout_start"), 0, None),  # after the eval before training
     (Kill.at("after_generate"), 0, None),
     (Kill.at("optimizer_step"), 0, None),  # between the two optimizer steps of a rollout
     (Kill.at("save_after_model"), 0, None),  # inside the first checkpoint write
+    (Kill.at("save_after_optimizer"), 0, None),
+    (Kill.at("save_after_state"), 0, None),
+    (Kill.at("save_before_manifest"), 0, None),
     (Kill.at("commit_before_rename"), 0, None),
+    (Kill.at("commit_after_rename"), 0, None),
+    (Kill.at("tracker_before_replace"), 0, None),
     (Kill.at("commit_after_tracker"), 0, 0),
-    (Kill.at("after_train"), 1, 0),
-    (Kill.at("after_metrics"), 1, 0),  # logged but not saved: the log must be cut back
-    (Kill.at("commit_before_tracker"), 1, 0),  # complete iter_1 the tracker does not name
-    (Kill.at("optimizer_step", 4), 2, 1),  # last step of rollout 2, an eval rollout
-    (Kill.at("after_generate", 3), 4, 3),
-    (Kill.at("save_after_model", 2), 5, 4),
-    (Kill.at("rollout_start"), 5, 4),  # twice in a row at the same place
-    (Kill.at("commit_before_tracker"), 5, 4),
+    (Kill.at("save_after_prune"), 1, 1),
+    (Kill.at("after_train"), 2, 1),
+    (Kill.at("after_metrics"), 2, 1),  # logged but not saved, an eval rollout: the log is cut back
+    (Kill.at("commit_before_tracker"), 2, 1),  # complete iter_2 the tracker does not name
+    (Kill.at("optimizer_step", 4), 3, 2),  # last step of rollout 3
+    (Kill.at("save_after_model", 2), 4, 3),
+    (Kill.at("rollout_start"), 4, 3),  # twice in a row at the same place
+    (Kill.at("commit_before_tracker"), 4, 3),
+    (Kill.at("after_generate", 2), 5, 4),
     (Kill.at("commit_after_tracker"), 5, 5),  # the rerun finds nothing left to do
 ]
 
 # With --async-save the main thread runs ahead of the save in flight, so where a kill leaves
 # the tracker varies; the hits are chosen so that each kill is reached whichever way it goes.
+# A kill before the tracker moves, in the writer thread, leaves the run where it was.
 ASYNC_CHAIN = [
     Kill.at("save_after_model"),  # in the writer thread, while rollout 1 generates
+    Kill.at("save_after_optimizer"),
+    Kill.at("save_after_state"),
+    Kill.at("save_before_manifest"),
     Kill.at("commit_before_rename"),
-    Kill.at("commit_after_tracker"),
+    Kill.at("commit_after_rename"),
+    Kill.at("tracker_before_replace"),
+    Kill.at("save_after_prune"),
     Kill.at("optimizer_step", 3),  # rollout start+1, with the previous save maybe in flight
     Kill.at("commit_before_tracker", 2),
     Kill.at("after_metrics", 2),
@@ -67,25 +80,20 @@ ASYNC_CHAIN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def builtin_model(mileage_home) -> Path:
-    # built here rather than by the first launch: a process that builds the model ends with
-    # another global RNG state, which its checkpoints record, than one that finds it cached
-    with torch.random.fork_rng():
-        return ensure_builtin_model("addition")
+def test_the_chains_hit_every_save_point():
+    sync_points = {kill.point for kill, _, _ in SYNC_CHAIN}
+    assert set(SAVE_POINTS) <= sync_points and set(SAVE_POINTS) <= {k.point for k in ASYNC_CHAIN}
+    assert set(LOOP_POINTS) <= sync_points
 
 
 @pytest.fixture(scope="module")
-def reference(builtin_model, tmp_path_factory) -> tuple[Path, Launch]:
-    save = tmp_path_factory.mktemp("reference") / "run"
-    return save, run_uninterrupted(ARGS, save)
+def reference(crash_reference) -> tuple[Path, Launch]:
+    return crash_reference
 
 
 @pytest.fixture(scope="module")
-def reference_async(builtin_model, tmp_path_factory) -> Path:
-    save = tmp_path_factory.mktemp("reference_async") / "run"
-    run_uninterrupted(ASYNC_ARGS, save)
-    return save
+def reference_async(crash_reference_async) -> Path:
+    return crash_reference_async
 
 
 @pytest.fixture(scope="module")
@@ -138,18 +146,18 @@ def test_async_kills_resume_to_the_uninterrupted_tensors_and_metrics(async_chain
     assert_recovered(outcomes, len(ASYNC_CHAIN), diffs)
 
 
-def test_random_time_kills_match_uninterrupted_run(reference, tmp_path):
+def test_random_time_kills_land_mid_run_and_match_uninterrupted_run(reference, tmp_path):
     save = tmp_path / "run"
     reference_save, reference_launch = reference
-    # delays scaled to this machine's speed, so that most kills land during the run; one that
-    # comes after the run finished is recorded as such, and the comparison still has to hold
-    duration = reference_launch.seconds
-    kills = random_time_kills(4, seed=20240611, low=0.3 * duration, high=0.9 * duration)
+    # drawn inside the training span measured on the reference run, aimed at what is left
+    kills = aimed_random_kills(reference_launch, 4, seed=20240611)
     outcomes = run_with_kills(ARGS, save, kills)
     table = outcome_table(outcomes)
-    assert len(outcomes) == len(kills), table
+    landed = [o for o in outcomes if landed_mid_run(o)]
+    missed = [o.kill.label for o in outcomes if not landed_mid_run(o)]
+    print(f"random-time kills: {len(landed)} of {len(outcomes)} landed mid-run; missed: {missed}")
+    assert len(landed) >= 2, f"only {len(landed)} kills landed mid-run (missed {missed})\n{table}"
     for outcome in outcomes:
-        assert outcome.status in ("killed", "finished first", "not reached (run had finished)")
         assert not outcome.problems, f"{outcome.kill.label}: {outcome.problems}\n{table}"
     assert compare_runs(reference_save, save) == [], table
 

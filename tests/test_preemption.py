@@ -131,3 +131,58 @@ def test_stale_lock_of_a_dead_process_is_taken_over(cli, tiny_hf, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "took over a stale lock" in done.stdout and "999999" in done.stdout
     assert read_tracker(save).iteration == 0
+
+
+# ---------------------------------------------------------------- preemption is exact
+
+
+@pytest.mark.slow
+def test_sigterm_stopped_run_rerun_equals_the_uninterrupted_run(crash_reference, tmp_path):
+    from mileage.testing.compare import compare_runs
+    from mileage.testing.crash import crash_run_args, launch
+
+    reference, _ = crash_reference
+    save, args = tmp_path / "run", crash_run_args()
+    # a SIGTERM from outside, while rollout 2 runs (after the line of rollout 1)
+    proc = start_train([*args, "--save", save, "--load", save, "--save-interval", 1])
+    wait_for_line(proc, "rollout 1 |")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    stopped = [line for line in out.splitlines() if line.startswith("stopped after rollout")]
+    assert len(stopped) == 1, out
+    last = int(stopped[0].split()[3])
+    assert read_tracker(save).iteration == last and last <= 3
+    # and one that lands at a known place: while rollout `last + 1` trains
+    signalled = launch(args, save, env={"MILEAGE_SIGNAL_AT": "optimizer_step:SIGTERM:1"})
+    assert signalled.returncode == 0, signalled.tail()
+    assert f"stopped after rollout {last + 1} (SIGTERM)" in signalled.stdout
+    rerun = launch(args, save)
+    assert rerun.returncode == 0, rerun.tail()
+    assert f"resume at rollout {last + 2} of 6" in rerun.stdout
+    assert compare_runs(reference, save) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_second_signal_inside_a_save_leaves_a_state_that_resumes_exactly(
+    crash_reference, crash_reference_async, tmp_path, async_save
+):
+    from mileage.testing.compare import compare_runs
+    from mileage.testing.crash import crash_run_args, launch
+
+    reference = crash_reference_async if async_save else crash_reference[0]
+    save, args = tmp_path / "run", crash_run_args(async_save=async_save)
+    # first SIGTERM while rollout 1 trains; the second inside that rollout's save (the 2nd save
+    # of the launch), after the model is written and before anything commits
+    env = {"MILEAGE_SIGNAL_AT": "optimizer_step:SIGTERM:3,save_after_model:SIGTERM:2"}
+    stopped = launch(args, save, env=env)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.tail()
+    assert "second SIGTERM" in stopped.stderr
+    assert read_tracker(save).iteration == 0
+    checked, problems = verify_save_dir(save)
+    assert problems == [] and checked == ["iter_0000000"], problems
+    rerun = launch(args, save)
+    assert rerun.returncode == 0, rerun.tail()
+    assert "resume at rollout 1 of 6" in rerun.stdout
+    assert compare_runs(reference, save) == []

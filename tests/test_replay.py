@@ -1,8 +1,14 @@
-"""Debug rollout data: save every rollout's samples, replay them without any generation engine."""
+"""Debug rollout data: save every rollout's samples, replay them without any generation engine.
+
+Runs on the built-in model, which learns (rewards vary within groups): a replay that got the
+rewards or the behaviour log-probs wrong ends with other weights, so the comparison can fail.
+"""
 
 from __future__ import annotations
 
-from conftest import fast_train_args
+import json
+
+from conftest import assert_learned, builtin_train_args
 
 from mileage.checkpoint.inspect import list_checkpoints
 from mileage.cli.main import main
@@ -13,15 +19,20 @@ def tracked_digests(save):
     return row["model_digest"], row["optimizer_digest"]
 
 
-def test_replayed_run_reproduces_the_original_weights(cli, tiny_hf, tmp_path, monkeypatch, capsys):
+def test_replayed_run_reproduces_the_original_weights(
+    cli, builtin_model, tmp_path, monkeypatch, capsys
+):
     original, replay = tmp_path / "original", tmp_path / "replay"
     template = str(tmp_path / "rollouts" / "rollout_{rollout_id}.json")
-    args = [*fast_train_args(tiny_hf, "--rollout-shuffle"), "--num-rollout", 3]
+    args = [*builtin_train_args("--rollout-shuffle"), "--num-rollout", 3]
     done = cli("train", *args, "--save", original, "--save-debug-rollout-data", template)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == [
         f"rollout_{i}.json" for i in range(3)
     ]
+    assert_learned(original, builtin_model)
+    saved = json.loads((tmp_path / "rollouts" / "rollout_0.json").read_text())["samples"]
+    assert len({s["reward"] for s in saved}) > 1, "rewards must vary for the replay to matter"
 
     import mileage.components
 
@@ -37,6 +48,8 @@ def test_replayed_run_reproduces_the_original_weights(cli, tiny_hf, tmp_path, mo
 
 
 def test_replay_with_other_prompts_is_refused(cli, tiny_hf, tmp_path):
+    from conftest import fast_train_args
+
     template = str(tmp_path / "r_{rollout_id}.json")
     args = [*fast_train_args(tiny_hf), "--num-rollout", 1]
     assert cli("train", *args, "--save-debug-rollout-data", template).returncode == 0

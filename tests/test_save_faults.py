@@ -1,88 +1,97 @@
-"""Faults while saving: disk full, I/O error, permission denied, files deleted under the run,
-and a kill in the middle of a commit (sync and async). The previous checkpoint always survives."""
+"""Faults while saving: disk full, I/O error, permission denied and files deleted under the run,
+injected at every gap of the commit order (store.py), with synchronous and background saves.
+
+Each failing save must stop the run with one line and exit 1, leave the tracker on a complete,
+verified checkpoint, and the same command rerun must end with exactly the tensors and metrics of
+a run that never failed (the crash harness's reference run, which learns)."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from conftest import fast_train_args
+from conftest import assert_learned
 
-from mileage.checkpoint.inspect import list_checkpoints, verify_save_dir
+from mileage.checkpoint.inspect import verify_save_dir
 from mileage.checkpoint.layout import STAGING_PREFIX, read_tracker
+from mileage.testing.compare import compare_runs
+from mileage.testing.crash import COMMITTED_SAVE_POINTS, SAVE_POINTS, crash_run_args, launch
 
+pytestmark = pytest.mark.slow
 
-@pytest.fixture(scope="module")
-def after_one_rollout(tiny_hf, tmp_path_factory, mileage_home):
-    """A save directory holding iter_0000000, made once and copied by each test."""
-    from conftest import run_cli
-
-    save = tmp_path_factory.mktemp("one") / "run"
-    first = run_cli(*train_args(tiny_hf, save, "--num-rollout", 1))
-    assert first.returncode == 0, first.stderr
-    return save
-
-
-def train_args(tiny_hf, save, *extra):
-    return [
-        "train",
-        *fast_train_args(tiny_hf),
-        "--save-interval",
-        1,
-        "--save",
-        save,
-        "--load",
-        save,
-        *extra,
-    ]
-
-
-@pytest.mark.parametrize("fault", ["ENOSPC", "EIO", "EACCES", "DELETE"])
-@pytest.mark.parametrize("point", ["save_after_model", "commit_before_rename"])
-def test_write_fault_stops_with_one_line_and_keeps_previous_checkpoint(
-    cli, tiny_hf, tmp_path, after_one_rollout, fault, point
-):
-    save = shutil.copytree(after_one_rollout, tmp_path / "run")
-    before = list_checkpoints(save)
-    # the 1st save of the second run (rollout 1) fails
-    failed = cli(
-        *train_args(tiny_hf, save, "--num-rollout", 3), env={"MILEAGE_FAIL_AT": f"{point}:{fault}"}
-    )
-    assert failed.returncode == 1, failed.stdout + failed.stderr
-    lines = failed.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(
-        "mileage: error: saving checkpoint iter_0000001 failed"
-    )
-    assert "previous checkpoint and the tracker are untouched" in lines[0]
-    assert "Traceback" not in failed.stderr
-    assert read_tracker(save).iteration == 0
-    assert list_checkpoints(save) == before
-    assert verify_save_dir(save)[1] == []
-    resumed = cli(*train_args(tiny_hf, save, "--num-rollout", 3))
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resume at rollout 1 of 3" in resumed.stdout and read_tracker(save).iteration == 2
-
-
-@pytest.mark.parametrize("async_save", [False, True])
-@pytest.mark.parametrize(
-    "point", ["save_after_model", "commit_before_rename", "commit_before_tracker"]
+# the fault points whose path argument is the staging directory: DELETE removes it there
+STAGING_POINTS = (
+    "save_after_model",
+    "save_after_optimizer",
+    "save_after_state",
+    "save_before_manifest",
+    "commit_before_rename",
 )
-def test_kill_between_files_and_tracker_keeps_previous_checkpoint(
-    cli, tiny_hf, tmp_path, after_one_rollout, point, async_save
+KINDS = ("ENOSPC", "EIO", "EACCES")
+
+
+def fault_chain() -> list[tuple[str, str, int]]:
+    """(point, fault, hit) for every save point. A hit of 2 lets the launch's first save commit
+    before the second fails, so the run moves on and later faults meet later rollouts."""
+    chain = []
+    for number, point in enumerate(SAVE_POINTS):
+        fault = "DELETE" if point in STAGING_POINTS and number % 2 else KINDS[number % len(KINDS)]
+        chain.append((point, fault, 2 if number in (1, 3) else 1))
+    return chain
+
+
+def test_the_chain_covers_every_save_point_and_fault_kind():
+    chain = fault_chain()
+    assert [point for point, _, _ in chain] == list(SAVE_POINTS)
+    assert {fault for _, fault, _ in chain} == {*KINDS, "DELETE"}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_save_anywhere_in_the_commit_stops_cleanly_and_the_rerun_is_exact(
+    builtin_model, crash_reference, crash_reference_async, tmp_path, async_save
 ):
-    save = shutil.copytree(after_one_rollout, tmp_path / "run")
-    extra = ["--async-save"] if async_save else []
-    killed = cli(
-        *train_args(tiny_hf, save, "--num-rollout", 3, *extra), env={"MILEAGE_KILL_AT": point}
-    )
+    args = crash_run_args(async_save=async_save)
+    save = tmp_path / "run"
+    for point, fault, hit in fault_chain():
+        before = read_tracker(save).iteration
+        failed = launch(args, save, env={"MILEAGE_FAIL_AT": f"{point}:{fault}:{hit}"})
+        where = f"{point}:{fault}:{hit}"
+        assert failed.returncode == 1, f"{where}: {failed.tail()}"
+        lines = failed.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in failed.stderr, f"{where}: {failed.stderr}"
+        assert lines[0].startswith("mileage: error: saving checkpoint iter_"), where
+        committed = point in COMMITTED_SAVE_POINTS
+        expected = (-1 if before is None else before) + (hit - 1) + int(committed)
+        assert read_tracker(save).iteration == (None if expected < 0 else expected), where
+        if committed:
+            assert "the tracker names it" in lines[0] or "it is committed" in lines[0], where
+        else:
+            assert "the previous checkpoint and the tracker are untouched" in lines[0], where
+        assert verify_save_dir(save)[1] == [], where
+        assert not [p for p in save.iterdir() if p.name.startswith(STAGING_PREFIX)], (
+            f"{where}: a failed save must remove its staging directory"
+        )
+    for _ in range(3):
+        rerun = launch(args, save)
+        if rerun.returncode == 0:
+            break
+    assert rerun.returncode == 0, rerun.tail()
+    assert_learned(save, builtin_model)
+    reference = crash_reference_async if async_save else crash_reference[0]
+    assert compare_runs(reference, save) == []
+
+
+@pytest.mark.parametrize("point", ["save_after_state", "commit_before_rename"])
+def test_the_rerun_removes_and_names_what_a_killed_save_left(cli, tiny_hf, tmp_path, point):
+    from conftest import fast_train_args
+
+    save = tmp_path / "run"
+    args = ["train", *fast_train_args(tiny_hf), "--num-rollout", 2, "--save-interval", 1,
+            "--save", save, "--load", save]  # fmt: skip
+    killed = cli(*args, env={"MILEAGE_KILL_AT": f"{point}:2"})
     assert killed.returncode == -9
-    assert read_tracker(save).iteration == 0
-    assert verify_save_dir(save)[1] == []
     leftovers = [p.name for p in save.iterdir() if p.name.startswith(STAGING_PREFIX)]
-    resumed = cli(*train_args(tiny_hf, save, "--num-rollout", 3, *extra))
+    assert len(leftovers) == 1 and read_tracker(save).iteration == 0, leftovers
+    resumed = cli(*args)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resume at rollout 1 of 3" in resumed.stdout
-    for name in leftovers:
-        assert f"removed leftover of an interrupted save: {name}" in resumed.stdout
+    assert f"removed leftover of an interrupted save: {leftovers[0]}" in resumed.stdout
     assert not [p for p in save.iterdir() if p.name.startswith(STAGING_PREFIX)]
-    assert read_tracker(save).iteration == 2
+    assert read_tracker(save).iteration == 1 and verify_save_dir(save)[1] == []

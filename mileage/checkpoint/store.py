@@ -1,11 +1,17 @@
 """Writing, committing, loading and verifying checkpoints.
 
-Commit order (a kill at any instant leaves the tracker absent or naming a complete checkpoint):
-  1. write everything under SAVE/.staging-<name>-<pid>-<n>/, fsync each file (while hashing
-     it for the manifest), then the manifest;
-  2. rename the staging directory to iter_{N:07d} and fsync SAVE;
-  3. replace the tracker atomically (temp file, fsync, rename, fsync SAVE).
-Only then are old checkpoints pruned (`--save-keep-last`), never the one the tracker names.
+Commit order (a kill at any instant leaves the tracker absent or naming a complete checkpoint).
+Each gap has a named fault point (`mileage.faults`), so the tests can kill or fail a save there:
+  1. write everything under SAVE/.staging-<name>-<pid>-<n>/: model [save_after_model],
+     optimizer [save_after_optimizer], RNG, trainer state and meta [save_after_state]; fsync
+     each file while hashing it [save_before_manifest]; then the manifest [commit_before_rename];
+  2. rename the staging directory to iter_{N:07d} [commit_after_rename] and fsync SAVE
+     [commit_before_tracker];
+  3. replace the tracker atomically: temp file, fsync [tracker_before_replace], rename, fsync
+     SAVE [commit_after_tracker].
+Only then are old checkpoints pruned (`--save-keep-last`) [save_after_prune], never the one the
+tracker names; a pruned directory is first renamed to a staging name, so a kill mid-delete
+leaves a leftover for the next start to remove, not a half-deleted checkpoint.
 
 Model and optimizer tensors are stored with torch.distributed.checkpoint (DCP), keyed by
 parameter name, so they reshard to another world size. Only tensors go into DCP: DCP unpickles
@@ -127,6 +133,7 @@ def write_tracker(save_dir: str | Path, value: int | str) -> None:
         handle.write(f"{value}\n")
         handle.flush()
         os.fsync(handle.fileno())
+    fault_point("tracker_before_replace", save_dir)
     os.replace(temp, save_dir / TRACKER)
     fsync_path(save_dir)
 
@@ -202,12 +209,14 @@ def _write_contents(directory: Path, state: CheckpointState) -> None:
     fault_point("save_after_model", directory)
     if state.optimizer is not None:
         save_tensors(state.optimizer, directory / OPTIMIZER_DIR)
+        fault_point("save_after_optimizer", directory)
     if state.rng:
         save_file(state.rng, str(directory / RNG_FILE))
         fsync_path(directory / RNG_FILE)
     if state.trainer:
         write_json_durably(directory / TRAINER_STATE, state.trainer)
     write_json_durably(directory / META, state.meta)
+    fault_point("save_after_state", directory)
     required = [f"{MODEL_DIR}/.metadata", META]
     if state.optimizer is not None:
         required.append(f"{OPTIMIZER_DIR}/.metadata")
@@ -215,6 +224,7 @@ def _write_contents(directory: Path, state: CheckpointState) -> None:
         if not (directory / name).is_file():
             raise FileNotFoundError(errno.ENOENT, "written file vanished", str(directory / name))
     digests = _sync_and_hash(sorted(p for p in directory.rglob("*") if p.is_file()))
+    fault_point("save_before_manifest", directory)
     files = {
         path.relative_to(directory).as_posix(): {"size": path.stat().st_size, "sha256": digest}
         for path, digest in digests.items()
@@ -238,13 +248,20 @@ def commit_checkpoint(save_dir: str | Path, name: int | str, state: CheckpointSt
             # tracker); it is superseded by this one
             os.rename(target, save_dir / f"{STAGING_PREFIX}old-{target.name}-{time.monotonic_ns()}")
         os.rename(staging, target)
+        fault_point("commit_after_rename", save_dir)
         fsync_path(save_dir)
-        fault_point("commit_before_tracker")
+        fault_point("commit_before_tracker", save_dir)
         write_tracker(save_dir, name)
-        fault_point("commit_after_tracker")
+        fault_point("commit_after_tracker", save_dir)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         where = exc.filename or save_dir
+        if read_tracker(save_dir).raw.strip() == str(name):
+            # the failure came after the tracker moved (syncing SAVE): the new checkpoint is it
+            raise CheckpointWriteError(
+                f"saving checkpoint {target.name}: the tracker names it, but syncing {where} "
+                f"failed ({exc.strerror or exc}); it may not survive a power loss"
+            ) from None
         raise CheckpointWriteError(
             f"saving checkpoint {target.name} failed: {exc.strerror or exc} ({where}); "
             f"the previous checkpoint and the tracker are untouched"
@@ -281,8 +298,11 @@ def prune_checkpoints(save_dir: str | Path, keep_last: int | None) -> list[str]:
     removed = []
     for rollout_id in complete:
         if rollout_id not in keep and (tracked is None or rollout_id < tracked):
-            shutil.rmtree(Path(save_dir) / iter_dir_name(rollout_id))
-            removed.append(iter_dir_name(rollout_id))
+            name = iter_dir_name(rollout_id)
+            doomed = Path(save_dir) / f"{STAGING_PREFIX}pruned-{name}-{time.monotonic_ns()}"
+            os.rename(Path(save_dir) / name, doomed)
+            shutil.rmtree(doomed)
+            removed.append(name)
     return removed
 
 

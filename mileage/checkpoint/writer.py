@@ -11,7 +11,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from mileage.checkpoint.store import CheckpointState, commit_checkpoint, prune_checkpoints
+from mileage.checkpoint.store import (
+    CheckpointState,
+    CheckpointWriteError,
+    commit_checkpoint,
+    prune_checkpoints,
+)
+from mileage.faults import fault_point
 
 
 class CheckpointWriter:
@@ -47,7 +53,14 @@ class CheckpointWriter:
 
     def _commit(self, rollout_id: int, state: CheckpointState) -> None:
         path = commit_checkpoint(self.save_dir, rollout_id, state)
-        prune_checkpoints(self.save_dir, self.keep_last)
+        try:
+            prune_checkpoints(self.save_dir, self.keep_last)
+            fault_point("save_after_prune", self.save_dir)
+        except OSError as exc:
+            raise CheckpointWriteError(
+                f"saving checkpoint {path.name}: it is committed, but removing older checkpoints "
+                f"(--save-keep-last) failed: {exc.strerror or exc} ({exc.filename or self.save_dir})"
+            ) from None
         self.on_commit(rollout_id, path)
 
     def _commit_in_background(self, rollout_id: int, state: CheckpointState) -> None:

@@ -157,3 +157,35 @@ def _read_json(path: Path) -> dict:
 
 def count_tensor_differences(diffs: Iterable[str]) -> int:
     return sum(1 for d in diffs if d.startswith(TENSOR_DIFF))
+
+
+def learning_problems(save_dir: str | Path, start_weights_dir: str | Path) -> list[str]:
+    """Why a run may not have learned ([] = it did): a comparison of two runs that never changed
+    their weights would pass whether or not resume works.
+
+    Requires a rollout with a gradient norm above 0 in metrics.jsonl, and final weights (the
+    checkpoint the tracker names) that differ from the HF weights in `start_weights_dir`.
+    """
+    from safetensors import safe_open
+
+    save_dir, start_dir = Path(save_dir), Path(start_weights_dir)
+    problems = []
+    records = _comparable_metrics(save_dir)
+    if isinstance(records, str):
+        return [records]
+    norms = [r.get("grad_norm", 0.0) for r in records]
+    if not any(n > 0 for n in norms):
+        problems.append(f"no rollout had a gradient norm above 0 ({norms})")
+    tracked = read_tracker(save_dir).iteration
+    if tracked is None:
+        return [*problems, f"{save_dir} has no tracked checkpoint"]
+    final = load_tensors(checkpoint_path(save_dir, tracked) / MODEL_DIR)
+    start = {}
+    for file in sorted(start_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            start.update({k: handle.get_tensor(k) for k in handle.keys() if k in final})  # noqa: SIM118
+    if not start:
+        problems.append(f"no tensor of {start_dir} matches the checkpoint's names")
+    elif all(torch.equal(start[k], final[k]) for k in start):
+        problems.append(f"the final weights equal the starting weights of {start_dir}")
+    return problems

@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -34,12 +35,21 @@ from mileage.metrics import METRICS_FILE
 # in the order one rollout reaches them (optimizer_step once per optimizer step)
 LOOP_POINTS = ("rollout_start", "after_generate", "optimizer_step", "after_train", "after_metrics")
 # inside the checkpoint write; with --async-save they run in the background writer thread
+# (store.py's docstring names each gap of the commit order)
 SAVE_POINTS = (
     "save_after_model",
+    "save_after_optimizer",
+    "save_after_state",
+    "save_before_manifest",
     "commit_before_rename",
+    "commit_after_rename",
     "commit_before_tracker",
+    "tracker_before_replace",
     "commit_after_tracker",
+    "save_after_prune",
 )
+# reached after the tracker has moved: the checkpoint being saved is committed
+COMMITTED_SAVE_POINTS = ("commit_after_tracker", "save_after_prune")
 KILL_POINTS = LOOP_POINTS + SAVE_POINTS
 
 # The run both the pytest harness and scripts/soak.py kill: two optimizer steps per rollout
@@ -114,6 +124,41 @@ def random_time_kills(count: int, seed: int, low: float, high: float) -> list[Ki
     return [Kill.after(round(rng.uniform(low, high), 2)) for _ in range(count)]
 
 
+def aimed_random_kills(
+    reference: Launch, count: int, seed: int
+) -> Callable[[list[Outcome]], Kill | None]:
+    """Kills at random instants inside the training span of what is left of the run.
+
+    The span is measured on the uninterrupted `reference` launch: from its plan line to its
+    last rollout line, spread evenly over its rollouts. Each kill is drawn, by Random(seed),
+    uniformly between the plan line and the end of the rollouts the run has left after the
+    previous kills, so it lands while the run trains rather than before it starts or after
+    it has finished. For `run_with_kills`.
+    """
+    planned = reference.first_line_time("plan:")
+    last = reference.last_line_time("rollout ")
+    plan = reference.plan
+    if planned is None or last is None or plan is None:
+        raise CrashHarnessError("the reference launch printed no plan or rollout lines to aim at")
+    num_rollout = plan[1]
+    per_rollout = (last - planned) / num_rollout
+    rng = random.Random(seed)
+
+    def next_kill(outcomes: list[Outcome]) -> Kill | None:
+        if len(outcomes) >= count:
+            return None
+        tracker = next((o.tracker for o in reversed(outcomes) if o.launch is not None), None)
+        left = num_rollout - (0 if tracker is None else tracker + 1)
+        return Kill.after(round(planned + rng.uniform(0.0, left * per_rollout), 2))
+
+    return next_kill
+
+
+def landed_mid_run(outcome: Outcome) -> bool:
+    """The kill killed a launch that had started training (printed its plan) and not finished."""
+    return outcome.died and outcome.launch is not None and outcome.launch.plan is not None
+
+
 @dataclass
 class Launch:
     """One process of a run."""
@@ -124,6 +169,15 @@ class Launch:
     stdout: str
     stderr: str
     timed_out: bool = False
+    # (seconds after launch, line) for every stdout line, to place random-time kills
+    stdout_times: list[tuple[float, str]] = field(default_factory=list)
+
+    def first_line_time(self, prefix: str) -> float | None:
+        return next((t for t, line in self.stdout_times if line.startswith(prefix)), None)
+
+    def last_line_time(self, prefix: str) -> float | None:
+        times = [t for t, line in self.stdout_times if line.startswith(prefix)]
+        return times[-1] if times else None
 
     @property
     def died_by_kill(self) -> bool:
@@ -230,14 +284,38 @@ def launch(
         errors="replace",  # a kill can cut a multi-byte character in half
         env=full_env,
     )
+    stdout_times: list[tuple[float, str]] = []
+    stderr_parts: list[str] = []
+
+    def read_stdout() -> None:
+        for line in proc.stdout:
+            stdout_times.append((time.monotonic() - started, line))
+
+    readers = [
+        threading.Thread(target=read_stdout, daemon=True),
+        threading.Thread(target=lambda: stderr_parts.append(proc.stderr.read()), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
     timed_out = False
     try:
-        stdout, stderr = proc.communicate(timeout=kill.delay if outside else timeout)
+        proc.wait(timeout=kill.delay if outside else timeout)
     except subprocess.TimeoutExpired:
         timed_out = not outside
         proc.kill()  # a no-op if the process exited in the meantime: its own returncode stands
-        stdout, stderr = proc.communicate()
-    return Launch(kill, proc.returncode, time.monotonic() - started, stdout, stderr, timed_out)
+        proc.wait()
+    for reader in readers:
+        reader.join(timeout=60)
+    stdout = "".join(line for _, line in stdout_times)
+    return Launch(
+        kill,
+        proc.returncode,
+        time.monotonic() - started,
+        stdout,
+        "".join(stderr_parts),
+        timed_out,
+        stdout_times,
+    )
 
 
 def run_uninterrupted(
@@ -407,7 +485,7 @@ def _hit_rollout(
 ) -> int:
     committed = -1 if tracker is None else tracker
     first_unlogged = 0 if logged is None else logged + 1
-    if kill.point == "commit_after_tracker":
+    if kill.point in COMMITTED_SAVE_POINTS:
         return committed
     if kill.point in SAVE_POINTS:
         return committed + 1
