@@ -1,0 +1,314 @@
+"""Mutation check: plant deliberate bugs in the resume, restore, replay, commit, input and loss
+paths, one at a time in a scratch copy of the committed tree, and run the tests against each.
+
+    python scripts/mutate.py [--only NAME ...] [--out docs/mutation.md] [--jobs 1]
+
+Each mutant replaces one exact snippet of one file (the script stops if the snippet is no
+longer there exactly once, so a refactor cannot silently retire a mutant) and names the test
+files to run against it. A mutant is caught when at least one of those tests fails; every
+mutant must be caught. Prints one row per mutant with the tests that caught it, writes the
+table as markdown with --out, and exits 1 if any mutant survived.
+
+New features add their own mutants to MUTANTS (engines, ranks, critic...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+RESUME = "tests/test_resume.py"
+RESTORE = "tests/test_restore_flags.py"
+REPLAY = "tests/test_replay.py"
+PLAN = "tests/test_plan.py"
+ERRORS = "tests/test_cli_errors.py"
+CRASH = "tests/test_crash_anywhere.py"
+FAULTS = "tests/test_save_faults.py"
+PREEMPT = "tests/test_preemption.py"
+LOSS = "tests/test_loss_reference.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str  # the bug, in words
+    file: str
+    find: str
+    replace: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    Mutant(
+        "resume-start-skips-a-rollout",
+        "a resume starts at N+2 instead of N+1",
+        "mileage/checkpoint/plan.py",
+        "action, natural_start = RESUME, source.iteration + 1",
+        "action, natural_start = RESUME, source.iteration + 2",
+        (RESUME, PLAN),
+    ),
+    Mutant(
+        "resume-repeats-a-rollout",
+        "a resume starts at N instead of N+1",
+        "mileage/checkpoint/plan.py",
+        "action, natural_start = RESUME, source.iteration + 1",
+        "action, natural_start = RESUME, source.iteration",
+        (RESUME, PLAN),
+    ),
+    Mutant(
+        "optimizer-not-restored",
+        "a resume never loads the optimizer state",
+        "mileage/components.py",
+        "    if plan.load_optimizer:\n",
+        "    if False:\n",
+        (RESUME, RESTORE),
+    ),
+    Mutant(
+        "no-load-optim-ignored",
+        "restore loads the optimizer state even with --no-load-optim",
+        "mileage/components.py",
+        "    if plan.load_optimizer:\n",
+        "    if True:\n",
+        (RESTORE,),
+    ),
+    Mutant(
+        "rng-not-restored",
+        "a resume never restores the global RNG",
+        "mileage/components.py",
+        "    if plan.load_rng:\n",
+        "    if False:\n",
+        (RESTORE,),
+    ),
+    Mutant(
+        "no-load-rng-ignored",
+        "restore loads the global RNG even with --no-load-rng",
+        "mileage/components.py",
+        "    if plan.load_rng:\n",
+        "    if True:\n",
+        (RESTORE,),
+    ),
+    Mutant(
+        "data-position-not-restored",
+        "a resume starts the prompt data from the beginning",
+        "mileage/components.py",
+        "    if plan.load_data_state:\n",
+        "    if False:\n",
+        (RESUME,),
+    ),
+    Mutant(
+        "lr-step-not-restored",
+        "a resume restarts the LR schedule (optimizer step counter) at 0",
+        "mileage/components.py",
+        '    run.actor.load_state_dict(trainer["actor"])\n',
+        "",
+        (RESUME,),
+    ),
+    Mutant(
+        "finetune-resumes",
+        "--finetune resumes optimizer, data and rollout id instead of taking only weights",
+        "mileage/checkpoint/plan.py",
+        "resumable = source.iteration is not None and not flags.finetune",
+        "resumable = source.iteration is not None",
+        (RESTORE, PLAN),
+    ),
+    Mutant(
+        "replay-inverts-rewards",
+        "replayed samples get inverted rewards and zero behaviour log-probs",
+        "mileage/rollout/rollout.py",
+        'samples = [Sample(**{**r, "prompt": Prompt(**r["prompt"])}) for r in records]',
+        'samples = [Sample(**{**r, "prompt": Prompt(**r["prompt"]), "reward": 1.0 - r["reward"], '
+        '"logprobs": [0.0] * len(r["logprobs"])}) for r in records]',
+        (REPLAY,),
+    ),
+    Mutant(
+        "metrics-not-cut-back",
+        "a resume keeps the metrics of rollouts it will train again",
+        "mileage/metrics.py",
+        "        if self.path is None or not self.path.is_file():\n            return\n        kept",
+        "        return\n        kept",
+        (RESUME, CRASH),
+    ),
+    Mutant(
+        "tracker-before-rename",
+        "the tracker moves to a checkpoint before its directory is renamed into place",
+        "mileage/checkpoint/store.py",
+        "        os.rename(staging, target)\n",
+        "        write_tracker(save_dir, name)\n        os.rename(staging, target)\n",
+        (CRASH, FAULTS),
+    ),
+    Mutant(
+        "leftovers-kept",
+        "a start never removes what interrupted saves left behind",
+        "mileage/checkpoint/store.py",
+        "    if not save_dir.is_dir():\n        return []\n    removed = []",
+        "    return []\n    removed = []",
+        (FAULTS, CRASH),
+    ),
+    Mutant(
+        "failed-save-keeps-staging",
+        "a failed save leaves its staging directory behind",
+        "mileage/checkpoint/store.py",
+        "    except OSError as exc:\n        shutil.rmtree(staging, ignore_errors=True)\n",
+        "    except OSError as exc:\n",
+        (FAULTS,),
+    ),
+    Mutant(
+        "positivity-check-removed",
+        "count and length flags are no longer checked for > 0",
+        "mileage/run_config.py",
+        "if value is not None and (value <= 0 if positive else value < 0):",
+        "if value is not None and not positive and value < 0:",
+        (ERRORS,),
+    ),
+    Mutant(
+        "response-len-unchecked",
+        "--rollout-max-response-len is dropped from the positive flags",
+        "mileage/run_config.py",
+        '        ("rollout", "rollout_max_response_len"),\n',
+        "",
+        (ERRORS,),
+    ),
+    Mutant(
+        "second-signal-ignored",
+        "a second SIGTERM no longer exits at once",
+        "mileage/preemption.py",
+        "            os._exit(128 + signum)\n",
+        "            return\n",
+        (PREEMPT,),
+    ),
+    Mutant(
+        "entropy-bonus-sign",
+        "the entropy bonus is subtracted from the objective (added to the loss)",
+        "mileage/training/actor.py",
+        "loss = pg_sum - self.algo.entropy_coef * entropy_sum",
+        "loss = pg_sum + self.algo.entropy_coef * entropy_sum",
+        (LOSS,),
+    ),
+    Mutant(
+        "micro-batch-normalised-alone",
+        "each micro-batch's loss is divided by its own tokens, not the global batch's",
+        "mileage/training/actor.py",
+        "(loss / global_tokens).backward()",
+        "(loss / mask.sum().clamp(min=1.0)).backward()",
+        (LOSS,),
+    ),
+]
+
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+
+
+def scratch_copy(destination: Path) -> None:
+    """The committed tree (HEAD), as CI would see it."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "HEAD"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(destination)], input=archive, check=True)
+
+
+def plant(root: Path, mutant: Mutant) -> None:
+    path = root / mutant.file
+    text = path.read_text()
+    count = text.count(mutant.find)
+    if count != 1:
+        raise SystemExit(
+            f"mutant {mutant.name}: its snippet occurs {count} times in {mutant.file}; update it"
+        )
+    path.write_text(text.replace(mutant.find, mutant.replace))
+
+
+def run_mutant(mutant: Mutant, home: str, timeout: float) -> tuple[Mutant, str, list[str], float]:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as scratch:
+        root = Path(scratch)
+        scratch_copy(root)
+        plant(root, mutant)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(root),
+            "MILEAGE_TEST_HOME": home,
+            "OMP_NUM_THREADS": "1",
+        }
+        command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
+        try:
+            done = subprocess.run(
+                [*command, *mutant.tests],
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return mutant, "timed out", [], time.monotonic() - started
+    catchers = sorted(set(_FAILED.findall(done.stdout)))
+    if done.returncode == 0:
+        verdict = "SURVIVED"
+    elif done.returncode == 1 and catchers:
+        verdict = "caught"
+    else:
+        verdict = f"pytest exited {done.returncode}"
+        catchers = catchers or [done.stdout.strip().splitlines()[-1] if done.stdout else ""]
+    return mutant, verdict, catchers, time.monotonic() - started
+
+
+def table(rows: list[tuple[Mutant, str, list[str], float]]) -> str:
+    lines = [
+        "| mutant | planted bug | file | verdict | caught by |",
+        "|---|---|---|---|---|",
+    ]
+    for mutant, verdict, catchers, _ in rows:
+        caught_by = "<br>".join(f"`{c}`" for c in catchers) or "-"
+        lines.append(
+            f"| {mutant.name} | {mutant.what} | `{mutant.file}` | {verdict} | {caught_by} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    parser.add_argument("--out", help="write the table as markdown here")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per mutant")
+    parser.add_argument(
+        "--home", default=os.environ.get("MILEAGE_TEST_HOME") or tempfile.mkdtemp(),
+        help="MILEAGE_HOME shared by the runs, so the built-in model is built once",
+    )  # fmt: skip
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        raise SystemExit(f"unknown mutants: {', '.join(sorted(unknown))}")
+    started = time.monotonic()
+    rows = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for row in pool.map(lambda m: run_mutant(m, args.home, args.timeout), chosen):
+            mutant, verdict, catchers, seconds = row
+            print(f"{mutant.name}: {verdict} in {seconds:.0f}s by {', '.join(catchers) or '-'}")
+            rows.append(row)
+    survived = [m.name for m, verdict, _, _ in rows if verdict != "caught"]
+    report = table(rows)
+    summary = (
+        f"{len(rows) - len(survived)} of {len(rows)} mutants caught "
+        f"in {time.monotonic() - started:.0f}s"
+        + (f"; not caught: {', '.join(survived)}" if survived else "")
+    )
+    print(report)
+    print(summary)
+    if args.out:
+        Path(args.out).write_text(f"{report}\n\n{summary}\n")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
