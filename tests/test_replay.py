@@ -28,7 +28,7 @@ def test_replayed_run_reproduces_the_original_weights(cli, tiny_hf, tmp_path, mo
     def no_engine(*a, **k):
         raise AssertionError("the generation engine must not be built when replaying")
 
-    monkeypatch.setattr(mileage.components, "LocalEngine", no_engine)
+    monkeypatch.setattr(mileage.components, "build_engine", no_engine)
     code = main(
         ["train", *map(str, args), "--save", str(replay), "--load-debug-rollout-data", template]
     )
