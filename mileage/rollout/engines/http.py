@@ -68,6 +68,7 @@ class ServerPool:
         self.what = what  # names the engine in error messages
         self.failed: set[str] = set()  # tried last until they succeed again
         self.excluded: set[str] = set()  # never tried (e.g. missed the last weight sync)
+        self.in_flight = 1  # requests at once per server (a server that batches: more)
         self._lock = threading.Lock()
 
     def _order(self, first: int) -> list[str]:
@@ -119,8 +120,8 @@ class ServerPool:
         self, path: str, payloads: Sequence[Any], validators: Sequence[Callable[[Any], Any]]
     ) -> list:
         """All `payloads` (reply i checked and converted by `validators[i]`), request i starting
-        at server i mod n, one in flight per server."""
-        workers = max(1, len(self.urls))
+        at server i mod n, `in_flight` at once per server."""
+        workers = max(1, len(self.urls) * self.in_flight)
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout-http")
         try:
             futures = [
