@@ -46,7 +46,9 @@ from mileage.models.tiny import (
     tiny_llama_config,
 )
 from mileage.rollout.data import Prompt, PromptSource, load_eval_prompts, load_train_prompts
-from mileage.rollout.engine import LocalEngine, SamplingParams
+from mileage.rollout.engine import SamplingParams
+from mileage.rollout.engines.base import Engine
+from mileage.rollout.engines.factory import build_engine
 from mileage.rollout.rewards import RewardFn, build_reward_fn
 from mileage.rollout.rollout import PromptEncoder
 from mileage.rollout.tasks import builtin_alphabet
@@ -103,7 +105,7 @@ class Run:
     tokenizer: object
     encode: PromptEncoder
     actor: Actor
-    engine: LocalEngine | None  # None when replaying saved rollout data
+    engine: Engine | None  # None when replaying saved rollout data
     data: PromptSource
     eval_prompts: list[Prompt] | None
     reward_fn: RewardFn
@@ -194,7 +196,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         actor=actor,
         engine=None
         if cfg.rollout.load_debug_rollout_data
-        else LocalEngine(model, tokenizer.pad_token_id, eos),
+        else build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log),
         data=PromptSource(pre.prompts, cfg.data.rollout_shuffle, cfg.loop.seed),
         eval_prompts=pre.eval_prompts,
         reward_fn=pre.reward_fn,

@@ -58,6 +58,19 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
             field.default if field.default is not dataclasses.MISSING else field.default_factory()
         )
         kind = _base_type(hints[field.name])
+        if typing.get_origin(kind) is list:
+            # a repeatable flag: each use appends one value
+            (item,) = typing.get_args(kind)
+            group.add_argument(
+                name,
+                dest=field.name,
+                action="append",
+                type=item,
+                default=None,
+                help=field.metadata["help"] + " (repeatable)",
+                metavar=item.__name__.upper(),
+            )
+            continue
         if kind is bool:
             action = "store_false" if default else "store_true"
             if default and not field.metadata.get("flag"):
@@ -80,7 +93,13 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
     """Build dataclass `cls` from the parsed flags (fields without a flag keep their default)."""
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+    # a repeatable flag never given parses as None; the field's default is an empty list
+    values = {k: v for k, v in values.items() if v is not None or not _is_list_field(cls, k)}
     return cls(**values)
+
+
+def _is_list_field(cls: type, name: str) -> bool:
+    return typing.get_origin(_base_type(typing.get_type_hints(cls)[name])) is list
 
 
 def flag_of(cls: type, field_name: str) -> str:

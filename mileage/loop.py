@@ -15,6 +15,7 @@ from mileage.components import Run, checkpoint_state, restore
 from mileage.faults import fault_point
 from mileage.preemption import PreemptionGuard
 from mileage.progress import RunProgress
+from mileage.rollout.engines.mismatch import apply_mismatch
 from mileage.rollout.rollout import evaluate, generate_samples, load_samples, save_samples
 from mileage.training.batch import pack_samples
 
@@ -53,9 +54,16 @@ def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
     return samples
 
 
+def sync_engine(run: Run) -> None:
+    """Hand the trainer's weights to the engine; their version is the optimizer step."""
+    if run.engine is not None:
+        run.engine.update_weights(run.model, run.actor.step)
+
+
 def train(run: Run, progress: RunProgress) -> list[dict]:
     cfg, plan = run.cfg, run.plan
     restore(run, progress.print)
+    sync_engine(run)  # a server may hold other weights than the ones just restored
     records = []
     if (
         cfg.loop.eval_interval
@@ -78,9 +86,10 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             fault_point("after_generate")
 
             progress.phase(rollout_id, "train")
-            stats = run.actor.train_rollout(pack_samples(samples, run.tokenizer.pad_token_id))
-            if run.engine is not None:
-                run.engine.update_weights(run.model)
+            batch = pack_samples(samples, run.tokenizer.pad_token_id)
+            mismatch = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
+            stats = {**run.actor.train_rollout(batch), **mismatch}
+            sync_engine(run)
             trained = time.perf_counter()
             fault_point("after_train")
 

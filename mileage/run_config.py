@@ -10,6 +10,8 @@ from mileage.checkpoint.config import CheckpointConfig
 from mileage.config import add_options, flag_of, from_namespace, option
 from mileage.errors import UserError
 from mileage.rollout.data import DataConfig
+from mileage.rollout.engines.config import EngineConfig
+from mileage.rollout.engines.mismatch import MismatchConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
 from mileage.training.actor import AlgoConfig
@@ -43,6 +45,8 @@ SECTIONS = (
     ("checkpoint", CheckpointConfig, "checkpoints and weights"),
     ("data", DataConfig, "data"),
     ("rollout", RolloutConfig, "rollout"),
+    ("engine", EngineConfig, "rollout engine"),
+    ("mismatch", MismatchConfig, "engine/trainer log-prob mismatch"),
     ("reward", RewardConfig, "reward"),
     ("algo", AlgoConfig, "algorithm"),
     ("optim", OptimConfig, "optimizer"),
@@ -55,6 +59,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -124,6 +130,8 @@ class RunConfig:
                 "grpo needs --n-samples-per-prompt >= 2 (advantages are relative to the group)"
             )
         self.algo.batch_sizes(r.samples_per_rollout)
+        self.engine.validate()
+        self.mismatch.validate()
         if self.checkpoint.megatron_to_hf_mode == "raw" and not self.checkpoint.hf_checkpoint:
             raise UserError("raw mode needs --hf-checkpoint for the architecture and tokenizer")
 

@@ -39,7 +39,7 @@ def test_replayed_run_reproduces_the_original_weights(
     def no_engine(*a, **k):
         raise AssertionError("the generation engine must not be built when replaying")
 
-    monkeypatch.setattr(mileage.components, "LocalEngine", no_engine)
+    monkeypatch.setattr(mileage.components, "build_engine", no_engine)
     code = main(
         ["train", *map(str, args), "--save", str(replay), "--load-debug-rollout-data", template]
     )

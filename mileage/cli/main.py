@@ -45,6 +45,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mileage import serve
     from mileage.cli import ckpt_commands, model_commands
     from mileage.run_config import RunConfig
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt_commands.register(sub)
     model_commands.register(sub)
+    serve.register(sub)
 
     plot = sub.add_parser("plot", help="PNG of a run's per-rollout metrics")
     plot.add_argument("run_dir")

@@ -41,8 +41,12 @@ def train_command(cfg: RunConfig) -> int:
             )
             return 0
         run = build_run(cfg, pre, progress.print)
-        with progress:
-            records = train(run, progress)
+        try:
+            with progress:
+                records = train(run, progress)
+        finally:
+            if run.engine is not None:
+                run.engine.close()  # stops a launched server, removes synced weights
     if records and records[-1].get("eval_accuracy") is not None:
         progress.print(f"final eval accuracy {records[-1]['eval_accuracy']:.3f}")
     return 0

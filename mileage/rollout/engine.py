@@ -4,7 +4,8 @@ It left-pads prompts, runs one prefill and then one token per step against the c
 with temperature and top-p from a caller-supplied `torch.Generator`, stops rows at EOS and
 returns token ids together with the log-probs of the sampled tokens under the generating policy
 (temperature-scaled, before top-p truncation — the same distribution the trainer scores).
-Remote engines (vLLM/SGLang servers) implement the same `generate`/`update_weights` pair.
+Remote engines (vLLM/SGLang servers, `mileage.rollout.engines`) implement the same interface
+(`mileage.rollout.engines.base.Engine`).
 
 Decoding Llama-family models (Llama, Mistral, Qwen2 with SDPA attention) takes a fast path: the
 prefill still runs through the `transformers` model, but each new token runs through
@@ -47,6 +48,7 @@ class Completion:
     response_ids: list[int]
     logprobs: list[float]
     finished: bool  # ended with EOS rather than by the length limit
+    weight_version: int = 0  # the trainer's optimizer step whose weights generated it
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,26 @@ def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True)
 
 
-def _draw_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _uniforms(
+    rows: int, generator: torch.Generator | list[torch.Generator] | None, device: torch.device
+) -> torch.Tensor:
+    """One float64 uniform per row [R, 1]: all from `generator`, or row i from `generator[i]`.
+
+    A generator per row makes each row's sample a function of its own seed only, whatever
+    else is batched with it (`mileage serve` seeds each row of a request this way).
+    """
+    if isinstance(generator, list):
+        draws = [
+            torch.rand((1, 1), generator=g, dtype=torch.float64, device=g.device) for g in generator
+        ]
+        return torch.cat([d.to(device) for d in draws])
+    source = generator.device if generator is not None else device
+    return torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=source).to(device)
+
+
+def _draw_categorical(
+    probs: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None
+) -> torch.Tensor:
     """One index per row of `probs` [B, V] (non-negative, any positive total), by inverse CDF.
 
     One uniform draw per row, where `torch.multinomial` draws V exponentials per row (for a 49k
@@ -69,9 +90,7 @@ def _draw_categorical(probs: torch.Tensor, generator: torch.Generator | None) ->
     come from `generator`'s own device: a CPU generator gives the same draws on any device.
     """
     rows, vocab = probs.shape
-    device = generator.device if generator is not None else probs.device
-    u = torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)
-    u = u.to(probs.device)
+    u = _uniforms(rows, generator, probs.device)
     if vocab <= CDF_BLOCK:
         cdf = probs.double().cumsum(-1)
         return _search(cdf, u * cdf[:, -1:]).squeeze(-1)
@@ -88,7 +107,9 @@ def _draw_categorical(probs: torch.Tensor, generator: torch.Generator | None) ->
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | list[torch.Generator] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; returns (tokens, log-probs of those tokens)."""
     logits = logits.float()
@@ -237,27 +258,40 @@ class _FastDecoder:
 class LocalEngine:
     """Generates with a `transformers` causal LM held in this process."""
 
+    # its log-probs come from the trainer's own module: recomputing them would repeat the work
+    in_process = True
+
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, max_batch_size: int = 256):
         self.model = model
         self.pad_id = pad_id
         self.eos_id = eos_id
         self.max_batch_size = max_batch_size
+        self.weight_version = 0
 
-    def update_weights(self, model: torch.nn.Module) -> None:
+    def update_weights(self, model: torch.nn.Module, version: int = 0) -> None:
         """The in-process engine shares the trainer's module, so new weights are already live."""
         self.model = model
+        self.weight_version = version
+
+    def close(self) -> None:
+        """Nothing to release: the module belongs to the trainer."""
 
     def generate(
         self,
         prompts: list[list[int]],
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        seed=None,
+        group_size: int = 1,
     ) -> list[Completion]:
+        """Completions of `prompts`; `seed` is a `SamplingSeed` (one generator for the whole
+        call, `generator_for(seed, "rollout", rollout_id)`), a torch.Generator, a list of one
+        generator per prompt, or None. `group_size` only matters to remote engines."""
+        generator = seed.generator() if hasattr(seed, "generator") else seed
         results: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            results += self._generate_batch(
-                prompts[start : start + self.max_batch_size], params, generator
-            )
+            stop = start + self.max_batch_size
+            part = generator[start:stop] if isinstance(generator, list) else generator
+            results += self._generate_batch(prompts[start:stop], params, part)
         return results
 
     @torch.inference_mode()
@@ -313,6 +347,7 @@ class LocalEngine:
                     response_ids=row_tokens[:length],
                     logprobs=all_logprobs[row, :length].tolist(),
                     finished=self.eos_id in row_tokens,
+                    weight_version=self.weight_version,
                 )
             )
         return completions

@@ -14,9 +14,8 @@ from pathlib import Path
 from mileage.config import option
 from mileage.errors import UserError
 from mileage.rollout.data import Prompt
-from mileage.rollout.engine import LocalEngine, SamplingParams
+from mileage.rollout.engines.base import Engine, SamplingParams, SamplingSeed
 from mileage.rollout.rewards import RewardFn, score_all
-from mileage.seeding import generator_for
 
 
 @dataclass
@@ -47,6 +46,7 @@ class Sample:
     response: str
     reward: float
     finished: bool
+    weight_version: int | None = None  # of the weights that generated it (None: older files)
 
 
 class PromptEncoder:
@@ -70,7 +70,7 @@ class PromptEncoder:
 
 
 def generate_samples(
-    engine: LocalEngine,
+    engine: Engine,
     encode: PromptEncoder,
     prompts: list[Prompt],
     params: SamplingParams,
@@ -82,20 +82,28 @@ def generate_samples(
     """`n_samples` scored answers per prompt; the samples of one prompt are contiguous."""
     expanded = [p for p in prompts for _ in range(n_samples)]
     ids = [encode(p.text) for p in expanded]
-    completions = engine.generate(ids, params, generator_for(seed, "rollout", rollout_id))
+    # greedy decoding draws nothing: no seed, so a remote engine may batch it freely
+    sampling_seed = None if params.greedy else SamplingSeed(seed, rollout_id)
+    completions = engine.generate(ids, params, sampling_seed, group_size=n_samples)
+    stale = [c.weight_version for c in completions if c.weight_version != engine.weight_version]
+    if stale:
+        raise UserError(
+            f"rollout {rollout_id}: the engine returned samples of weight version {stale[0]}, "
+            f"expected {engine.weight_version}; refusing to train on off-policy data"
+        )
     decode = encode.tokenizer.decode
     texts = [decode(c.response_ids, skip_special_tokens=True) for c in completions]
     rewards = score_all(
         reward_fn, [(p.text, t, p.label) for p, t in zip(expanded, texts, strict=True)]
     )
     return [
-        Sample(p, c.prompt_ids, c.response_ids, c.logprobs, t, r, c.finished)
+        Sample(p, c.prompt_ids, c.response_ids, c.logprobs, t, r, c.finished, c.weight_version)
         for p, c, t, r in zip(expanded, completions, texts, rewards, strict=True)
     ]
 
 
 def evaluate(
-    engine: LocalEngine,
+    engine: Engine,
     encode: PromptEncoder,
     prompts: list[Prompt],
     max_new_tokens: int,

@@ -189,6 +189,7 @@ class Actor:
             mask,
             self.algo.eps_clip,
             self.algo.eps_clip_high if self.algo.eps_clip_high is not None else self.algo.eps_clip,
+            part.tis_weights,
         )
         entropy_sum = (entropy * mask).sum()
         loss = pg_sum - self.algo.entropy_coef * entropy_sum

@@ -24,6 +24,9 @@ class TrainBatch:
     rewards: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    tis_weights: torch.Tensor | None = (
+        None  # [N, L-1] per-token policy-gradient weights (--use-tis)
+    )
     # per-token tensors start at this target column (input_ids and attention_mask do not)
     target_offset: int = 0
 
@@ -53,6 +56,7 @@ class TrainBatch:
             rewards=self.rewards[start:stop],
             ref_logprobs=cut(self.ref_logprobs, lead, width - 1),
             advantages=cut(self.advantages, lead, width - 1),
+            tis_weights=cut(self.tis_weights, lead, width - 1),
             target_offset=lead,
         )
 

@@ -57,12 +57,16 @@ def ppo_clip_loss(
     mask: torch.Tensor,
     eps_clip: float,
     eps_clip_high: float,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum over response tokens of max(-A*r, -A*clip(r, 1-eps, 1+eps_high)); plus clip statistics."""
+    """Sum over response tokens of max(-A*r, -A*clip(r, 1-eps, 1+eps_high)), each token's term
+    times `token_weights` if given (truncated importance sampling); plus clip statistics."""
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     with torch.no_grad():
         stats = {
             "clipfrac": ((clipped > unclipped).float() * mask).sum(),

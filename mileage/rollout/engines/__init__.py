@@ -1,0 +1,1 @@
+"""Rollout engines behind one interface: in-process, SGLang servers, vLLM servers."""

@@ -1,0 +1,67 @@
+"""`--rollout-engine` and the flags of the remote engines (servers, timeouts, weight sync)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mileage.config import option
+from mileage.errors import UserError
+
+ENGINES = ("local", "vllm", "sglang")
+
+
+@dataclass
+class EngineConfig:
+    rollout_engine: str = option(
+        "local", "who generates: this process, vLLM or SGLang servers", choices=ENGINES
+    )
+    rollout_url: list[str] = option(
+        [], "base URL of a running server (vllm/sglang); without one, vllm is launched"
+    )
+    rollout_timeout: float = option(
+        120.0, "seconds one generate request may take before it is retried elsewhere"
+    )
+    rollout_attempts: int = option(
+        3, "tries per request (over the servers) before the run stops with an error"
+    )
+    rollout_sync_timeout: float = option(600.0, "seconds a server may take to load new weights")
+    rollout_weights_dir: str | None = option(
+        None,
+        "where new weights are written for the servers (default: a temporary directory; "
+        "servers on other hosts need a shared path)",
+    )
+    vllm_python: str | None = option(
+        None,
+        "Python of the vLLM environment used to launch `vllm serve` "
+        "(default: $MILEAGE_HOME/vllm-venv/bin/python, made by scripts/install_vllm.sh)",
+    )
+    vllm_args: str = option(
+        "", "extra `vllm serve` flags for the launched server, e.g. '--gpu-memory-utilization 0.2'"
+    )
+    vllm_start_timeout: float = option(
+        600.0, "seconds the launched vLLM server may take to become healthy"
+    )
+
+    @property
+    def remote(self) -> bool:
+        return self.rollout_engine != "local"
+
+    def validate(self) -> None:
+        if self.rollout_engine == "local" and self.rollout_url:
+            raise UserError("--rollout-url needs --rollout-engine vllm or sglang")
+        if self.rollout_engine == "sglang" and not self.rollout_url:
+            raise UserError(
+                "--rollout-engine sglang needs --rollout-url (start servers with "
+                "`python -m sglang.launch_server` or `mileage serve`)"
+            )
+        for flag, value in (
+            ("--rollout-timeout", self.rollout_timeout),
+            ("--rollout-attempts", self.rollout_attempts),
+            ("--rollout-sync-timeout", self.rollout_sync_timeout),
+            ("--vllm-start-timeout", self.vllm_start_timeout),
+        ):
+            if value <= 0:
+                raise UserError(f"{flag} must be positive, got {value}")
+        for url in self.rollout_url:
+            if not url.startswith(("http://", "https://")):
+                raise UserError(f"--rollout-url {url!r} must start with http:// or https://")

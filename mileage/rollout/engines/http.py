@@ -1,0 +1,149 @@
+"""JSON over HTTP to a pool of servers, with bounded timeouts and retries on another server.
+
+A request that fails (connection refused, timeout, HTTP error, a reply that does not parse or
+that `validate` rejects) is retried on the next server in the pool, up to `attempts` tries in
+all; a server that failed is tried last from then on. When every try failed the run stops with
+one `UserError` line naming each failure. Only the standard library is used.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from mileage.errors import UserError
+
+
+class BadReply(Exception):
+    """A server answered, but not with what was asked for (garbage, stale weights)."""
+
+
+def post_json(url: str, payload: Any, timeout: float) -> Any:
+    """POST `payload` as JSON, return the parsed reply; raises OSError/BadReply on failure."""
+    data = json.dumps(payload).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            body = reply.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:200].decode(errors="replace")
+        raise BadReply(f"HTTP {exc.code}: {detail}") from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise BadReply(f"reply is not JSON: {body[:80]!r}") from None
+
+
+def get_ok(url: str, timeout: float) -> bool:
+    """Whether GET `url` answers 200 within `timeout`."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return reply.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError) or "timed out" in str(exc):
+        return "timed out"
+    if isinstance(exc, urllib.error.URLError):
+        return str(exc.reason)
+    return str(exc) or type(exc).__name__
+
+
+class ServerPool:
+    """The servers of one engine; `map` spreads requests over them, `broadcast` hits each."""
+
+    def __init__(self, urls: Sequence[str], timeout: float, attempts: int, what: str):
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout = timeout
+        self.attempts = attempts
+        self.what = what  # names the engine in error messages
+        self.failed: set[str] = set()  # tried last until they succeed again
+        self.excluded: set[str] = set()  # never tried (e.g. missed the last weight sync)
+        self.in_flight = 1  # requests at once per server (a server that batches: more)
+        self._lock = threading.Lock()
+
+    def _order(self, first: int) -> list[str]:
+        usable = [u for u in self.urls if u not in self.excluded]
+        rotated = usable[first % len(usable) :] + usable[: first % len(usable)] if usable else []
+        return [u for u in rotated if u not in self.failed] + [
+            u for u in rotated if u in self.failed
+        ]
+
+    def request(
+        self,
+        path: str,
+        payload: Any,
+        first: int = 0,
+        validate: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """POST to the servers in turn, starting at server `first`; the first valid reply."""
+        errors: list[str] = []
+        tried: set[str] = set()
+        for _ in range(self.attempts):
+            with self._lock:
+                order = self._order(first)
+            if not order:
+                break
+            fresh = [u for u in order if u not in tried] or order
+            if fresh is order:
+                tried.clear()  # every server had its turn: go round again
+            url = fresh[0]
+            tried.add(url)
+            try:
+                reply = post_json(url + path, payload, self.timeout)
+                result = validate(reply) if validate else reply
+            except (OSError, BadReply, ValueError) as exc:
+                errors.append(f"{url}: {describe(exc)}")
+                with self._lock:
+                    self.failed.add(url)
+                continue
+            with self._lock:
+                self.failed.discard(url)
+            return result
+        if not errors:
+            errors.append("no server is usable (each missed the last weight sync)")
+        raise UserError(
+            f"{self.what}: {path} failed after {len(errors)} tries ({'; '.join(errors)}); "
+            "the last checkpoint is untouched: rerun the same command once the servers are healthy"
+        )
+
+    def map(
+        self, path: str, payloads: Sequence[Any], validators: Sequence[Callable[[Any], Any]]
+    ) -> list:
+        """All `payloads` (reply i checked and converted by `validators[i]`), request i starting
+        at server i mod n, `in_flight` at once per server."""
+        workers = max(1, len(self.urls) * self.in_flight)
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout-http")
+        try:
+            futures = [
+                pool.submit(self.request, path, p, i, v)
+                for i, (p, v) in enumerate(zip(payloads, validators, strict=True))
+            ]
+            return [f.result() for f in futures]
+        finally:
+            # on an error, do not start what is still queued; requests in flight end by timeout
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def broadcast(self, path: str, payload: Any, timeout: float) -> dict[str, str | None]:
+        """POST to every server at once; per URL None (success) or the failure."""
+
+        def one(url: str) -> str | None:
+            try:
+                reply = post_json(url + path, payload, timeout)
+            except (OSError, BadReply) as exc:
+                return describe(exc)
+            if isinstance(reply, dict) and reply.get("success") is False:
+                return str(reply.get("message", "refused"))
+            return None
+
+        with ThreadPoolExecutor(max_workers=max(1, len(self.urls))) as pool:
+            return dict(zip(self.urls, pool.map(one, self.urls), strict=True))

@@ -1,0 +1,91 @@
+"""The trainer/engine log-prob mismatch: measured every rollout, optionally corrected.
+
+An engine's log-probs of its sampled tokens differ from the trainer's for the same weights
+(other kernels, other precision, other batching). When they come from another implementation
+(a remote engine), or when `--use-tis` asks for it, the trainer recomputes them before training
+and logs `logprob_abs_diff`, the mean over response tokens of |trainer - engine|.
+
+Which log-probs are the "old policy" of the PPO ratio (miles' flags and meanings):
+- by default the trainer's recomputed ones when they were recomputed, else the engine's (the
+  in-process engine's log-probs come from the trainer's own module: nothing to recompute);
+- `--use-rollout-logprobs`: always the engine's;
+- `--use-tis`: truncated importance sampling. Each token's policy-gradient term is multiplied
+  by clamp(exp(trainer - engine), --tis-clip-low, --tis-clip), a constant weight that corrects
+  for sampling from the engine's distribution rather than the trainer's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mileage.config import option
+from mileage.errors import UserError
+from mileage.training.actor import Actor, sequence_logprobs
+from mileage.training.batch import TrainBatch
+
+
+@dataclass
+class MismatchConfig:
+    use_rollout_logprobs: bool = option(
+        False, "use the engine's log-probs as the old policy even when the trainer recomputed them"
+    )
+    use_tis: bool = option(
+        False, "truncated importance sampling: weight each token by exp(trainer - engine logprob)"
+    )
+    tis_clip: float = option(2.0, "upper clamp of the TIS weight")
+    tis_clip_low: float = option(0.0, "lower clamp of the TIS weight")
+
+    def validate(self) -> None:
+        if self.use_tis and self.use_rollout_logprobs:
+            raise UserError(
+                "--use-tis corrects the engine/trainer mismatch against the trainer's log-probs; "
+                "it cannot be combined with --use-rollout-logprobs (the weights would all be 1)"
+            )
+        if not 0.0 <= self.tis_clip_low <= self.tis_clip:
+            raise UserError(
+                f"need 0 <= --tis-clip-low <= --tis-clip, got {self.tis_clip_low} and {self.tis_clip}"
+            )
+
+
+def needs_recompute(cfg: MismatchConfig, engine) -> bool:
+    """Whether the trainer recomputes the sampled tokens' log-probs before training."""
+    in_process = engine is not None and getattr(engine, "in_process", False)
+    return cfg.use_tis or (engine is not None and not in_process)
+
+
+@torch.no_grad()
+def trainer_logprobs(actor: Actor, batch: TrainBatch) -> torch.Tensor:
+    """The trainer's log-probs of the batch's tokens, in target space like `old_logprobs`."""
+    _, micro = actor.algo.batch_sizes(len(batch))
+    out = torch.zeros_like(batch.old_logprobs)
+    was_training = actor.model.training
+    actor.model.eval()
+    for start in range(0, len(batch), micro):
+        part = batch.slice(start, start + micro)
+        logp, _ = sequence_logprobs(actor.model, part, actor.temperature)
+        first = part.target_offset
+        out[start : start + micro, first : first + logp.shape[1]] = logp
+    actor.model.train(was_training)
+    return out * batch.loss_mask
+
+
+def apply_mismatch(cfg: MismatchConfig, engine, actor: Actor, batch: TrainBatch) -> dict:
+    """Recompute, measure and correct as configured; returns the metrics to log."""
+    if not needs_recompute(cfg, engine):
+        return {}
+    mask = batch.loss_mask
+    tokens = mask.sum().clamp(min=1.0)
+    rollout = batch.old_logprobs
+    trainer = trainer_logprobs(actor, batch)
+    stats = {"logprob_abs_diff": float(((trainer - rollout).abs() * mask).sum() / tokens)}
+    if cfg.use_tis:
+        raw = torch.exp(trainer - rollout)
+        weights = raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
+        batch.tis_weights = weights * mask
+        stats["tis_mean"] = float((weights * mask).sum() / tokens)
+        stats["tis_clipfrac"] = float(((weights != raw).float() * mask).sum() / tokens)
+    if not cfg.use_rollout_logprobs:
+        batch.old_logprobs = trainer
+    return stats

@@ -1,0 +1,249 @@
+"""`mileage serve`: the in-process engine behind SGLang's native HTTP API.
+
+Endpoints (the SGLang request and reply shapes, the subset mileage uses):
+- `GET /health`: 200 once the model is loaded.
+- `GET /get_model_info`: `model_path` and `weight_version`.
+- `POST /generate`: `input_ids` (one list of token ids, or a batch of them), `sampling_params`
+  (one dict, or one per row: `max_new_tokens`, `temperature`, `top_p`, `sampling_seed`),
+  `return_logprob`. Reply per row: `output_ids`, `text` and `meta_info` with
+  `output_token_logprobs` (`[log-prob, token id, null]` per token), `finish_reason`
+  (`{"type": "stop", "matched": eos}` or `{"type": "length", "length": n}`), `prompt_tokens`,
+  `completion_tokens` and `weight_version`.
+- `POST /update_weights_from_disk`: `model_path` (an HF directory), optional `weight_version`;
+  replies `{"success", "message", "num_paused_requests"}`.
+
+Requests run one at a time, with a fixed thread count and deterministic algorithms, and a row
+with a `sampling_seed` draws from its own generator seeded with it: its sample is a function of
+(weights, prompt, params, seed) alone, so a resumed run through `mileage serve` reproduces an
+uninterrupted one bit for bit, whichever server serves which request.
+
+`MILEAGE_SERVE_FAULT=<die|hang|garbage>:<n>` makes the n-th `/generate` request kill the server
+(SIGKILL), stop it (SIGSTOP, a hang) or answer garbage: the fault tests use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from mileage.errors import UserError
+from mileage.models.hf import load_causal_lm, load_tokenizer
+from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
+from mileage.seeding import configure_determinism
+
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "sampling_seed", "top_k", "n"}
+
+
+class RequestError(ValueError):
+    """The request asks for something malformed or unsupported (HTTP 400)."""
+
+
+class EngineServer:
+    def __init__(self, hf_checkpoint: str):
+        self.lock = threading.Lock()
+        self.model_path = str(hf_checkpoint)
+        self.tokenizer = load_tokenizer(hf_checkpoint)
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        self.engine = LocalEngine(load_causal_lm(hf_checkpoint), pad, eos)
+        self.weight_version = "default"
+        self.vocab_size = self.engine.model.config.vocab_size
+        self.generate_count = 0
+        kind, _, count = os.environ.get("MILEAGE_SERVE_FAULT", "").partition(":")
+        self.fault = (kind, int(count)) if kind else None
+
+    def update_weights(self, body: dict) -> dict:
+        path = body.get("model_path")
+        if not isinstance(path, str):
+            raise RequestError("model_path must be a string")
+        with self.lock:
+            try:
+                model = load_causal_lm(path)
+            except UserError as exc:
+                return {"success": False, "message": str(exc), "num_paused_requests": 0}
+            self.engine.update_weights(model)
+            self.model_path = path
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+        return {
+            "success": True,
+            "message": "Succeeded to update model weights.",
+            "num_paused_requests": 0,
+        }
+
+    def generate(self, body: dict) -> dict | list:
+        input_ids = body.get("input_ids")
+        if input_ids is None:
+            raise RequestError("mileage serve takes input_ids (token ids), not text")
+        single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+        rows = [input_ids] if single else input_ids
+        if not rows or not all(
+            isinstance(r, list)
+            and r
+            and all(isinstance(t, int) and 0 <= t < self.vocab_size for t in r)
+            for r in rows
+        ):
+            raise RequestError("input_ids must be non-empty lists of token ids in the vocabulary")
+        params, generators = self._sampling(body.get("sampling_params") or {}, len(rows))
+        with self.lock:
+            self.generate_count += 1
+            self._maybe_fail()
+            completions = self.engine.generate(rows, params, generators)
+            version = self.weight_version
+        outputs = [self._output(c, version) for c in completions]
+        if self.fault and self.fault[0] == "garbage" and self.generate_count >= self.fault[1]:
+            outputs = [{"meta_info": {"output_token_logprobs": "garbage"}} for _ in outputs]
+        return outputs[0] if single else outputs
+
+    def _maybe_fail(self) -> None:
+        if not self.fault or self.generate_count != self.fault[1]:
+            return
+        if self.fault[0] == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault[0] == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _sampling(self, sampling, count: int):
+        per_row = sampling if isinstance(sampling, list) else [sampling] * count
+        if len(per_row) != count or not all(isinstance(s, dict) for s in per_row):
+            raise RequestError("sampling_params must be a dict or one dict per input")
+        for s in per_row:
+            unknown = set(s) - SAMPLING_KEYS
+            if unknown:
+                raise RequestError(f"mileage serve does not support {sorted(unknown)}")
+            if s.get("top_k", -1) not in (-1, None) or s.get("n", 1) != 1:
+                raise RequestError("mileage serve supports top_k=-1 and n=1 only")
+        shapes = {
+            (s.get("max_new_tokens", 128), s.get("temperature", 1.0), s.get("top_p", 1.0))
+            for s in per_row
+        }
+        if len(shapes) != 1:
+            raise RequestError(
+                "all rows of one request need the same max_new_tokens/temperature/top_p"
+            )
+        max_new, temperature, top_p = shapes.pop()
+        if not (isinstance(max_new, int) and max_new > 0 and temperature >= 0 and 0 < top_p <= 1):
+            raise RequestError("need max_new_tokens > 0, temperature >= 0, 0 < top_p <= 1")
+        seeds = [s.get("sampling_seed") for s in per_row]
+        if all(seed is None for seed in seeds):
+            generators = torch.Generator().manual_seed(torch.seed())
+        elif all(isinstance(seed, int) for seed in seeds):
+            generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        else:
+            raise RequestError("give sampling_seed for every row of a request or for none")
+        return SamplingParams(max_new, float(temperature), float(top_p)), generators
+
+    def _output(self, c: Completion, version: str) -> dict:
+        finish = (
+            {"type": "stop", "matched": self.engine.eos_id}
+            if c.finished
+            else {"type": "length", "length": len(c.response_ids)}
+        )
+        return {
+            "text": self.tokenizer.decode(c.response_ids, skip_special_tokens=True),
+            "output_ids": c.response_ids,
+            "meta_info": {
+                "finish_reason": finish,
+                "prompt_tokens": len(c.prompt_ids),
+                "completion_tokens": len(c.response_ids),
+                "cached_tokens": 0,
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(c.logprobs, c.response_ids, strict=True)
+                ],
+                "weight_version": version,
+            },
+        }
+
+
+def make_handler(server: EngineServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format, *args) -> None:  # noqa: A002 - the stdlib's name
+            pass  # one line per request would drown the output
+
+        def _send(self, status: int, body) -> None:
+            data = json.dumps(body).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up (timeout, or it was killed)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._send(200, {})
+            elif self.path == "/get_model_info":
+                self._send(
+                    200,
+                    {"model_path": server.model_path, "weight_version": server.weight_version},
+                )
+            else:
+                self._send(404, {"error": f"no route {self.path}"})
+
+        def do_POST(self) -> None:
+            routes = {
+                "/generate": server.generate,
+                "/update_weights_from_disk": server.update_weights,
+            }
+            route = routes.get(self.path)
+            if route is None:
+                self._send(404, {"error": f"no route {self.path}"})
+                return
+            try:
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise RequestError("the request body must be a JSON object")
+                reply = route(body)
+            except (RequestError, ValueError) as exc:
+                self._send(400, {"error": str(exc)})
+                return
+            self._send(200, reply)
+
+    return Handler
+
+
+def serve(hf_checkpoint: str, host: str, port: int, num_threads: int) -> int:
+    configure_determinism(0, num_threads)
+    engine = EngineServer(hf_checkpoint)
+    try:
+        httpd = ThreadingHTTPServer((host, port), make_handler(engine))
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    httpd.daemon_threads = True
+    bound_host, bound_port = httpd.server_address[:2]
+    print(f"mileage serve: listening on http://{bound_host}:{bound_port}", flush=True)
+    try:
+        httpd.serve_forever()
+    finally:
+        httpd.server_close()
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    return serve(args.hf_checkpoint, args.host, args.port, args.num_threads)
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "serve", help="serve a model over SGLang's native HTTP API (/generate, weight reloads)"
+    )
+    parser.add_argument("--hf-checkpoint", required=True, help="HF model directory to serve")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, default=30000, help="port (default 30000; 0 picks a free one)"
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)"
+    )
+    parser.set_defaults(func=_cmd_serve)

@@ -1,0 +1,148 @@
+"""`--rollout-engine vllm`: mileage launches the server, syncs weights and stops it, and no
+server process outlives a SIGKILLed mileage. A fake `vllm` package (vLLM's OpenAI completions
+and dev-mode reload endpoints in front of mileage's own engine) stands in for vLLM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, fast_train_args
+
+from mileage.metrics import read_metrics
+
+FAKE_SERVER = """
+import argparse, json, os, subprocess, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from mileage.seeding import configure_determinism
+from mileage.serve import EngineServer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model"); parser.add_argument("--host"); parser.add_argument("--port", type=int)
+parser.add_argument("--served-model-name")
+args, _ = parser.parse_known_args()
+# a child of the server, as vLLM's engine-core process is: it must die with the server
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(os.environ["FAKE_VLLM_PIDS"], "a") as f:
+    f.write(f"{os.getpid()} {child.pid}\\n")
+configure_determinism(0, 1)
+engine = EngineServer(args.model)
+calls = []
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data)))
+        self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        self.reply({})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/collective_rpc":
+            assert body["method"] == "reload_weights" and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+            calls.append(body["kwargs"]["weights_path"])
+            engine.update_weights({"model_path": body["kwargs"]["weights_path"]})
+            return self.reply({"results": [None]})
+        if self.path == "/reset_prefix_cache":
+            return self.reply({})
+        assert body["model"] == args.served_model_name and body["return_tokens_as_token_ids"]
+        out = engine.generate({"input_ids": body["prompt"], "sampling_params": {
+            "max_new_tokens": body["max_tokens"], "temperature": body["temperature"],
+            "top_p": body["top_p"], "sampling_seed": body.get("seed")}})
+        meta = out["meta_info"]
+        pairs = meta["output_token_logprobs"]
+        self.reply({"choices": [{"index": 0, "finish_reason": meta["finish_reason"]["type"],
+            "logprobs": {"tokens": [f"token_id:{t}" for _, t, _ in pairs],
+                         "token_logprobs": [lp for lp, _, _ in pairs]}}]})
+
+ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_vllm(tmp_path) -> dict[str, str]:
+    package = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    package.mkdir(parents=True)
+    for folder in (package, package.parent, package.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "api_server.py").write_text(textwrap.dedent(FAKE_SERVER))
+    pids = tmp_path / "pids.txt"
+    return {
+        "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{REPO}",
+        "FAKE_VLLM_PIDS": str(pids),
+    }
+
+
+def vllm_args(tiny_hf, *extra) -> list[str]:
+    return [
+        *fast_train_args(tiny_hf, "--rollout-engine", "vllm", "--vllm-python", sys.executable,
+                         "--vllm-start-timeout", "120", *extra),
+    ]  # fmt: skip
+
+
+def server_pids(env) -> list[int]:
+    path = Path(env["FAKE_VLLM_PIDS"])
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's bookkeeping remains
+
+
+def wait_dead(pids: list[int], timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+def test_launched_server_trains_with_weight_sync_and_is_stopped(cli, tiny_hf, fake_vllm, tmp_path):
+    done = cli("train", *vllm_args(tiny_hf), "--num-rollout", "2", "--save", tmp_path / "run",
+               env=fake_vllm)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "launching vLLM on http://127.0.0.1:" in done.stdout
+    records = read_metrics(tmp_path / "run")
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert all(r["logprob_abs_diff"] < 1e-4 for r in records)
+    pids = server_pids(fake_vllm)
+    assert len(pids) == 2 and wait_dead(pids) == []
+
+
+def test_no_server_survives_a_sigkill_of_mileage(tiny_hf, fake_vllm, mileage_home):
+    env = {**os.environ, **fake_vllm, "PYTHONUNBUFFERED": "1"}
+    train = subprocess.Popen(
+        [sys.executable, "-m", "mileage", "train", *vllm_args(tiny_hf), "--num-rollout", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        for line in train.stdout:
+            if "vLLM is up" in line or time.monotonic() > deadline:
+                break
+        pids = server_pids(fake_vllm)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+    finally:
+        train.send_signal(signal.SIGKILL)
+        train.wait(timeout=30)
+    assert wait_dead(pids) == []
+
+
+def test_missing_vllm_python_is_one_line(cli, tiny_hf, tmp_path):
+    done = cli("train", *fast_train_args(tiny_hf, "--rollout-engine", "vllm", "--vllm-python",
+                                         str(tmp_path / "nope")))  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"mileage: error: --vllm-python {tmp_path / 'nope'} does not exist; install vLLM with "
+        "scripts/install_vllm.sh or give --rollout-url of a running server"
+    ]

@@ -1,0 +1,130 @@
+"""`mileage serve`: SGLang's native API in front of the in-process engine, and the SGLang
+client engine against it (request shape, seeding, weight versions)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import torch
+
+from mileage.errors import UserError
+from mileage.models.hf import load_causal_lm
+from mileage.rollout.engine import LocalEngine, SamplingParams
+from mileage.rollout.engines.base import SamplingSeed
+from mileage.rollout.engines.http import BadReply, post_json
+from mileage.rollout.engines.sglang import SGLangEngine
+from mileage.testing.servers import start_servers
+
+PROMPT = [1, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_hf):
+    (proc,) = start_servers(tiny_hf, 1)
+    yield proc
+    proc.stop()
+
+
+def generate(url, payload):
+    return post_json(url + "/generate", payload, timeout=60)
+
+
+def test_health_and_model_info(server):
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as reply:
+        assert reply.status == 200
+    with urllib.request.urlopen(server.url + "/get_model_info", timeout=10) as reply:
+        assert json.loads(reply.read())["weight_version"] == "default"
+
+
+def test_generate_reply_has_sglangs_shape_and_the_local_engines_numbers(server, tiny_hf):
+    seeds = [11, 12, 13]
+    params = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0}
+    reply = generate(
+        server.url,
+        {
+            "input_ids": [PROMPT] * 3,
+            "sampling_params": [{**params, "sampling_seed": s} for s in seeds],
+            "return_logprob": True,
+        },
+    )
+    assert isinstance(reply, list) and len(reply) == 3
+    model = load_causal_lm(tiny_hf)
+    local = LocalEngine(model, pad_id=0, eos_id=2).generate(
+        [PROMPT] * 3,
+        SamplingParams(6, 1.0, 1.0),
+        [torch.Generator().manual_seed(s) for s in seeds],
+    )
+    for item, want in zip(reply, local, strict=True):
+        meta = item["meta_info"]
+        assert item["output_ids"] == want.response_ids
+        assert [p[1] for p in meta["output_token_logprobs"]] == want.response_ids
+        assert [p[0] for p in meta["output_token_logprobs"]] == want.logprobs
+        assert meta["finish_reason"]["type"] == ("stop" if want.finished else "length")
+        assert meta["completion_tokens"] == len(want.response_ids)
+        assert meta["weight_version"] == "default"
+    assert len({tuple(i["output_ids"]) for i in reply}) > 1  # distinct seeds, distinct samples
+
+
+def test_a_rows_sample_is_drawn_from_its_own_seed(server):
+    params = {"max_new_tokens": 6, "sampling_seed": 5}
+    alone = generate(server.url, {"input_ids": PROMPT, "sampling_params": params})
+    batched = generate(
+        server.url,
+        {
+            "input_ids": [PROMPT, PROMPT],
+            "sampling_params": [{"max_new_tokens": 6, "sampling_seed": 99}, params],
+        },
+    )
+    assert isinstance(alone, dict)  # a single input gets a single reply, as in SGLang
+    # the same draws whatever else is in the batch (log-probs may differ in the last bit: the
+    # batch size changes the matmul blocking, so the client keeps request composition fixed)
+    assert batched[1]["output_ids"] == alone["output_ids"]
+    assert batched[0]["output_ids"] != alone["output_ids"]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"text": "1+1="},
+        {"input_ids": [[1, 2], [1]], "sampling_params": [{"sampling_seed": 1}, {}]},
+        {"input_ids": [[1, 10**9]]},
+        {"input_ids": [1, 2], "sampling_params": {"top_k": 5}},
+    ],
+)
+def test_bad_requests_are_refused_with_400(server, payload):
+    with pytest.raises(BadReply, match="HTTP 400"):
+        generate(server.url, payload)
+
+
+def test_client_syncs_weights_and_refuses_stale_versions(server, tiny_hf, tmp_path):
+    engine = SGLangEngine([server.url], 64, timeout=30, attempts=2, sync_timeout=60,
+                          weights_dir=str(tmp_path / "w"))  # fmt: skip
+    model = load_causal_lm(tiny_hf)
+    params = SamplingParams(4, 1.0, 1.0)
+    seed = SamplingSeed(1234, 0)
+    engine.update_weights(model, 3)
+    before = engine.generate([PROMPT] * 4, params, seed, group_size=2)
+    assert {c.weight_version for c in before} == {3}
+    assert engine.generate([PROMPT] * 4, params, seed, group_size=2) == before
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    engine.update_weights(model, 4)
+    after = engine.generate([PROMPT] * 4, params, seed, group_size=2)
+    assert [c.logprobs for c in after] != [c.logprobs for c in before]
+    # the server now says another version than the trainer synced: not silently trained on
+    post_json(
+        server.url + "/update_weights_from_disk",
+        {"model_path": str(engine.weights.path), "weight_version": "2"},
+        timeout=60,
+    )
+    with pytest.raises(UserError, match="weight version 2, expected 4"):
+        engine.generate([PROMPT] * 2, params, seed, group_size=2)
+    refused = post_json(
+        server.url + "/update_weights_from_disk", {"model_path": str(tmp_path)}, timeout=60
+    )
+    assert refused["success"] is False
+    engine.close()
+    assert not engine.weights.root.exists() or engine.weights.root == tmp_path / "w"
