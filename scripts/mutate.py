@@ -136,7 +136,7 @@ MUTANTS = [
         "mileage/metrics.py",
         "        if self.path is None or not self.path.is_file():\n            return\n        kept",
         "        return\n        kept",
-        (RESUME, CRASH),
+        (RESUME,),
     ),
     Mutant(
         "tracker-before-rename",
@@ -144,7 +144,7 @@ MUTANTS = [
         "mileage/checkpoint/store.py",
         "        os.rename(staging, target)\n",
         "        write_tracker(save_dir, name)\n        os.rename(staging, target)\n",
-        (CRASH, FAULTS),
+        (FAULTS,),
     ),
     Mutant(
         "leftovers-kept",
@@ -152,7 +152,7 @@ MUTANTS = [
         "mileage/checkpoint/store.py",
         "    if not save_dir.is_dir():\n        return []\n    removed = []",
         "    return []\n    removed = []",
-        (FAULTS, CRASH),
+        (FAULTS,),
     ),
     Mutant(
         "failed-save-keeps-staging",
@@ -161,6 +161,14 @@ MUTANTS = [
         "    except OSError as exc:\n        shutil.rmtree(staging, ignore_errors=True)\n",
         "    except OSError as exc:\n",
         (FAULTS,),
+    ),
+    Mutant(
+        "async-save-overlaps",
+        "a background save starts before the previous one finished, reusing its buffers",
+        "mileage/checkpoint/writer.py",
+        "    def save(self, rollout_id: int, state: CheckpointState) -> None:\n        self.wait()\n",
+        "    def save(self, rollout_id: int, state: CheckpointState) -> None:\n",
+        (f"{CRASH}::test_async_kills_resume_to_the_uninterrupted_tensors_and_metrics",),
     ),
     Mutant(
         "positivity-check-removed",
