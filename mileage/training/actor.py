@@ -197,7 +197,7 @@ class Actor:
             kl_sum = (kl_estimate(logp, part.ref_logprobs, self.algo.kl_loss_type) * mask).sum()
             if self.algo.use_kl_loss:
                 loss = loss + self.algo.kl_loss_coef * kl_sum
-            stats["kl"] = float(kl_sum)
+            stats["kl"] = float(kl_sum.detach())
         else:
             # no reference: report the drift from the generating policy instead
             stats["kl"] = float(((part.old_logprobs - logp.detach()) * mask).sum())

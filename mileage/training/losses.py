@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+# exp(20) ~ 4.9e8: far enough to never bind in healthy training, close enough that exp() and a
+# product with it stay finite in float32 (exp overflows past ~88.7; inf * 0 would be NaN)
+LOG_RATIO_CLAMP = 20.0
+
 
 def token_logprobs(
     logits: torch.Tensor,
@@ -45,8 +49,11 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     if kind == "k2":
         return 0.5 * log_ratio.square()
     if kind == "k3":
-        # clamp keeps exp() finite when the two policies disagree wildly on a token
-        return (torch.exp(-log_ratio.clamp(-20, 20)) - 1) + log_ratio
+        # The log-ratio is clamped once and the clamped value used in both terms: clamping only
+        # the exponential leaves `+ log_ratio` with gradient +1 past the clamp, which pushes the
+        # policy *away* from the reference. Past the clamp the gradient is 0 instead.
+        clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (torch.exp(-clamped) - 1) + clamped
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
@@ -59,7 +66,8 @@ def ppo_clip_loss(
     eps_clip_high: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sum over response tokens of max(-A*r, -A*clip(r, 1-eps, 1+eps_high)); plus clip statistics."""
-    ratio = torch.exp(logp - old_logp)
+    # clamped like the KL so that a zero advantage times an overflowing ratio is 0, not inf*0=NaN
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     per_token = torch.maximum(unclipped, clipped)
