@@ -62,3 +62,42 @@ def test_critic_training_fits_the_returns(tiny_hf):
     fitted = critic.values(batch, micro=4)
     mask = batch.loss_mask.bool()
     assert torch.allclose(fitted[mask], batch.returns[mask], atol=0.25)
+
+
+def test_actor_with_critic_uses_gae_and_waits_for_the_critic_warmup(tiny_hf):
+    from transformers import AutoModelForCausalLM
+
+    from mileage.training.actor import Actor, AlgoConfig
+    from mileage.training.advantages import compute_advantages
+
+    value_model = ValueModel(AutoModelForCausalLM.from_pretrained(tiny_hf), seed=0)
+    critic = Critic(
+        value_model,
+        torch.optim.SGD(value_model.parameters(), lr=0.1),
+        LRSchedule(0.1, 0, 0, "constant", 1),
+        0.2,
+        0.0,
+        per_token=False,
+        critic_only_rollouts=1,
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf)
+    algo = AlgoConfig(advantage_estimator="ppo", gamma=0.9, lambd=0.7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    actor = Actor(model, opt, LRSchedule(0.1, 0, 0, "constant", 1), algo, 1.0, 2, 0, critic=critic)
+
+    def weights(m):
+        return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+    before = weights(model)
+    batch = _batch()
+    values = critic.values(batch, micro=4)
+    stats = actor.train_rollout(batch)
+    want, returns = compute_advantages(
+        "ppo", batch.rewards, batch.loss_mask, 2, gamma=0.9, lambd=0.7, values=values
+    )
+    assert torch.equal(batch.values, values) and torch.allclose(batch.advantages, want)
+    assert torch.allclose(batch.returns, returns)
+    assert torch.equal(weights(model), before) and actor.step == 0  # critic-only rollout
+    assert critic.step == 1 and "value_loss" in stats
+    actor.train_rollout(_batch())
+    assert not torch.equal(weights(model), before) and actor.step == 1 and critic.step == 2

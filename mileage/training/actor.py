@@ -17,6 +17,7 @@ from mileage.faults import fault_point
 from mileage.training.advantages import compute_advantages
 from mileage.training.algo import AlgoConfig, load_custom_loss
 from mileage.training.batch import TrainBatch
+from mileage.training.critic import Critic
 from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss, token_logprobs
 from mileage.training.optimizer import LRSchedule
 
@@ -60,6 +61,7 @@ class Actor:
         group_size: int,
         clip_grad: float,
         reference: torch.nn.Module | None = None,
+        critic: Critic | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -69,6 +71,7 @@ class Actor:
         self.group_size = group_size
         self.clip_grad = clip_grad
         self.reference = reference
+        self.critic = critic
         self.step = 0
         self._custom_loss = None
 
@@ -90,6 +93,8 @@ class Actor:
             batch.ref_logprobs = self._reference_logprobs(batch, micro)
             if algo.kl_coef:
                 token_kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, algo.kl_loss_type)
+        if self.critic is not None:
+            batch.values = self.critic.values(batch, micro)
         batch.advantages, batch.returns = compute_advantages(
             algo.advantage_estimator,
             batch.rewards,
@@ -108,6 +113,13 @@ class Actor:
         """All optimizer steps for one rollout; returns statistics averaged over its steps."""
         gbs, mbs = self.algo.batch_sizes(len(batch))
         self.prepare(batch, mbs)
+        critic_stats = {}
+        if self.critic is not None:
+            frozen = self.critic.actor_frozen
+            critic_stats = self.critic.train_rollout(batch, gbs, mbs)
+            if frozen:
+                lr = self.schedule.lr_at(self.step)
+                return {**critic_stats, "lr": lr, "lrs": [], "global_step": self.step}
         self.model.train()
         totals: dict[str, float] = {}
         grad_norms, lrs = [], []
@@ -137,6 +149,7 @@ class Actor:
             lrs.append(lr)
         self.model.eval()
         result = {key: value / len(grad_norms) for key, value in totals.items()}
+        result.update(critic_stats)
         result.update(
             grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], lrs=lrs, global_step=self.step
         )

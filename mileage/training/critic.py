@@ -73,8 +73,10 @@ class Critic:
         value_clip: float,
         clip_grad: float,
         per_token: bool,
+        critic_only_rollouts: int = 0,
     ):
         self.model = model
+        self.critic_only_rollouts = critic_only_rollouts
         self.optimizer = optimizer
         self.schedule = schedule
         self.value_clip = value_clip
@@ -82,6 +84,12 @@ class Critic:
         self.per_token = per_token
         self.step = 0
         self.rollouts = 0
+
+    @property
+    def actor_frozen(self) -> bool:
+        """--num-critic-only-steps: the actor waits while the critic warms up (miles' order:
+        the critic trains on a rollout before the actor)."""
+        return self.rollouts < self.critic_only_rollouts
 
     @torch.no_grad()
     def values(self, batch: TrainBatch, micro: int) -> torch.Tensor:
