@@ -2,8 +2,10 @@
 
 The reference runs each sample on its own (no padding, packing, slicing or logits_to_keep),
 computes GRPO advantages, the PPO-clip term, the k3 KL-loss term and the entropy bonus token by
-token, aggregates them as a token mean over the global batch, and differentiates that. The actor
-must give the same gradient for every parameter, with gradient accumulation over micro-batches.
+token, aggregates them as miles does (each sample's token mean, averaged over the samples; or,
+with --calculate-per-token-loss, a token mean over the global batch), and differentiates that.
+The actor must give the same gradient for every parameter, with gradient accumulation over
+micro-batches.
 """
 
 from __future__ import annotations
@@ -65,14 +67,14 @@ def samples_for(behaviour) -> list[Sample]:
     return samples
 
 
-def reference_loss(model, reference_model, samples: list[Sample]) -> torch.Tensor:
+def reference_loss(model, reference_model, samples: list[Sample], per_token: bool) -> torch.Tensor:
     rewards = [s.reward for s in samples]
     advantages = []
     for start in range(0, len(rewards), GROUP):
         group = rewards[start : start + GROUP]
         mean, std = statistics.mean(group), statistics.stdev(group)
         advantages += [(r - mean) / (std + 1e-6) for r in group]
-    total, tokens = torch.zeros(()), 0
+    total, tokens, sample_means = torch.zeros(()), 0, []
     for sample, advantage in zip(samples, advantages, strict=True):
         logits = response_logits(model, sample)
         log_probs = torch.log_softmax(logits, -1)
@@ -87,13 +89,16 @@ def reference_loss(model, reference_model, samples: list[Sample]) -> torch.Tenso
         )
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3
         entropy = -(log_probs.exp() * log_probs).sum(-1)
-        total = total + (policy + KL_COEF * kl - ENTROPY_COEF * entropy).sum()
+        per_token_loss = policy + KL_COEF * kl - ENTROPY_COEF * entropy
+        total = total + per_token_loss.sum()
         tokens += len(sample.response_ids)
-    return total / tokens
+        sample_means.append(per_token_loss.mean())
+    return total / tokens if per_token else torch.stack(sample_means).mean()
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["sample-mean", "token-mean"])
 @pytest.mark.parametrize("micro_batch", [8, 2, 1])
-def test_actor_gradient_equals_the_reference(micro_batch):
+def test_actor_gradient_equals_the_reference(micro_batch, per_token):
     model, reference_model = tiny_llama(0), tiny_llama(1).requires_grad_(False)
     behaviour = copy.deepcopy(model)
     with torch.no_grad():
@@ -102,12 +107,13 @@ def test_actor_gradient_equals_the_reference(micro_batch):
     samples = samples_for(behaviour)
 
     expected_model = copy.deepcopy(model)
-    reference_loss(expected_model, reference_model, samples).backward()
+    reference_loss(expected_model, reference_model, samples, per_token).backward()
     expected = {n: p.grad for n, p in expected_model.named_parameters()}
 
     algo = AlgoConfig(
         eps_clip=EPS_LOW, eps_clip_high=EPS_HIGH, use_kl_loss=True, kl_loss_coef=KL_COEF,
         kl_loss_type="k3", entropy_coef=ENTROPY_COEF, micro_batch_size=micro_batch,
+        calculate_per_token_loss=per_token,
     )  # fmt: skip
     schedule = LRSchedule(peak=0.0, minimum=0.0, warmup=0, decay_style="constant", decay_steps=1)
     actor = Actor(
@@ -115,9 +121,8 @@ def test_actor_gradient_equals_the_reference(micro_batch):
         temperature=TEMPERATURE, group_size=GROUP, clip_grad=0.0, reference=reference_model,
     )  # fmt: skip
     stats = actor.train_rollout(pack_samples(samples, pad_id=0))
-    tokens = sum(len(s.response_ids) for s in samples)
     # the batch exercises both sides of the clip, so the reference's max() matters
-    assert 0 < stats["clipfrac"] * tokens < tokens
+    assert 0 < stats["clipfrac"] < 1
     for name, param in model.named_parameters():
         assert param.grad is not None and expected[name].abs().sum() > 0, name
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -32,7 +32,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from mileage.components import preflight
     from mileage.run_config import RunConfig
 
-    plan = preflight(RunConfig.from_args(args)).plan
+    cfg = RunConfig.from_args(args)
+    plan = preflight(cfg).plan
+    if not args.json and cfg.demo_note():
+        print(cfg.demo_note())
     print(plan.to_json() if args.json else plan.describe())
     return 0
 

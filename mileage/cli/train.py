@@ -18,6 +18,8 @@ def train_command(cfg: RunConfig) -> int:
     pre = preflight(cfg)
     plan = pre.plan
     progress = RunProgress(plan.start_rollout_id, plan.num_rollout)
+    if cfg.demo_note():
+        progress.print(cfg.demo_note())
     progress.print(plan.describe())
     save = cfg.checkpoint.save
     with SaveDirLock(save) if save else nullcontext() as lock:

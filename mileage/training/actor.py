@@ -3,64 +3,25 @@
 A rollout of N samples is cut, in order, into global batches of `--global-batch-size` samples
 (one optimizer step each), and each global batch into micro-batches of `--micro-batch-size`
 whose gradients accumulate. Reference log-probs are computed once per rollout, not per step.
+Each micro-batch's loss is its share of the global batch's (`LossReducer`): per-sample mean by
+default, token mean with `--calculate-per-token-loss`, as in miles.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 
-from mileage.config import option
-from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.training.advantages import compute_advantages
+from mileage.training.algo import AlgoConfig, load_custom_loss
 from mileage.training.batch import TrainBatch
-from mileage.training.losses import kl_estimate, ppo_clip_loss, token_logprobs
+from mileage.training.critic import Critic
+from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss, token_logprobs
 from mileage.training.optimizer import LRSchedule
 
-
-@dataclass
-class AlgoConfig:
-    advantage_estimator: str = option(
-        "grpo", "how rewards become advantages", choices=("grpo", "reinforce_plus_plus")
-    )
-    disable_grpo_std_normalization: bool = option(
-        False, "GRPO: subtract the group mean only, do not divide by the group std"
-    )
-    eps_clip: float = option(0.2, "PPO clip range below 1")
-    eps_clip_high: float | None = option(None, "PPO clip range above 1 (default: --eps-clip)")
-    kl_coef: float = option(0.0, "KL-to-reference penalty folded into the reward")
-    use_kl_loss: bool = option(False, "add a KL-to-reference term to the loss")
-    kl_loss_coef: float = option(0.0, "weight of the KL loss")
-    kl_loss_type: str = option("k3", "KL estimator for the loss", choices=("k1", "k2", "k3"))
-    entropy_coef: float = option(0.0, "entropy bonus weight (entropy is always logged)")
-    global_batch_size: int | None = option(
-        None, "samples per optimizer step (default: the whole rollout, one step)"
-    )
-    micro_batch_size: int | None = option(
-        None, "samples per forward/backward; gradients accumulate (default: global batch)"
-    )
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.kl_coef != 0.0 or self.use_kl_loss
-
-    def batch_sizes(self, samples_per_rollout: int) -> tuple[int, int]:
-        """(global, micro) batch sizes, checked against the rollout size."""
-        gbs = self.global_batch_size or samples_per_rollout
-        mbs = self.micro_batch_size or gbs
-        if gbs <= 0 or mbs <= 0:
-            raise UserError(f"batch sizes must be positive (global {gbs}, micro {mbs})")
-        if samples_per_rollout % gbs:
-            raise UserError(
-                f"--global-batch-size {gbs} does not divide the {samples_per_rollout} samples of a "
-                f"rollout (--rollout-batch-size x --n-samples-per-prompt)"
-            )
-        if gbs % mbs:
-            raise UserError(f"--micro-batch-size {mbs} does not divide --global-batch-size {gbs}")
-        return gbs, mbs
+__all__ = ["Actor", "AlgoConfig", "sequence_logprobs"]
 
 
 def sequence_logprobs(
@@ -100,6 +61,7 @@ class Actor:
         group_size: int,
         clip_grad: float,
         reference: torch.nn.Module | None = None,
+        critic: Critic | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -109,7 +71,9 @@ class Actor:
         self.group_size = group_size
         self.clip_grad = clip_grad
         self.reference = reference
+        self.critic = critic
         self.step = 0
+        self._custom_loss = None
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: TrainBatch, micro: int) -> torch.Tensor:
@@ -123,32 +87,50 @@ class Actor:
 
     def prepare(self, batch: TrainBatch, micro: int) -> None:
         """Attach reference log-probs (if any) and advantages."""
+        algo = self.algo
         token_kl = None
         if self.reference is not None:
             batch.ref_logprobs = self._reference_logprobs(batch, micro)
-            token_kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k1")
-        batch.advantages = compute_advantages(
-            self.algo.advantage_estimator,
+            if algo.kl_coef:
+                token_kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, algo.kl_loss_type)
+        if self.critic is not None:
+            batch.values = self.critic.values(batch, micro)
+        batch.advantages, batch.returns = compute_advantages(
+            algo.advantage_estimator,
             batch.rewards,
             batch.loss_mask,
             self.group_size,
             token_kl,
-            self.algo.kl_coef,
-            normalize_std=not self.algo.disable_grpo_std_normalization,
+            algo.kl_coef,
+            normalize_std=not algo.disable_grpo_std_normalization,
+            gamma=algo.gamma,
+            lambd=algo.lambd,
+            values=batch.values,
+            normalize=algo.normalize_advantages,
         )
 
     def train_rollout(self, batch: TrainBatch) -> dict[str, float]:
-        """All optimizer steps for one rollout; returns token-averaged statistics."""
+        """All optimizer steps for one rollout; returns statistics averaged over its steps."""
         gbs, mbs = self.algo.batch_sizes(len(batch))
         self.prepare(batch, mbs)
+        critic_stats = {}
+        if self.critic is not None:
+            frozen = self.critic.actor_frozen
+            critic_stats = self.critic.train_rollout(batch, gbs, mbs)
+            if frozen:
+                lr = self.schedule.lr_at(self.step)
+                return {**critic_stats, "lr": lr, "lrs": [], "global_step": self.step}
         self.model.train()
         totals: dict[str, float] = {}
         grad_norms, lrs = [], []
+        per_token = self.algo.calculate_per_token_loss
         for g_start in range(0, len(batch), gbs):
-            tokens = batch.loss_mask[g_start : g_start + gbs].sum().clamp(min=1.0)
+            mask = batch.loss_mask[g_start : g_start + gbs]
+            denominator = LossReducer.global_denominator(mask, per_token)
             self.optimizer.zero_grad(set_to_none=True)
             for m_start in range(g_start, g_start + gbs, mbs):
-                stats = self._accumulate(batch.slice(m_start, m_start + mbs), tokens)
+                part = batch.slice(m_start, m_start + mbs)
+                stats = self._accumulate(part, LossReducer(part.loss_mask, per_token, denominator))
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
             if self.clip_grad > 0:
@@ -166,14 +148,40 @@ class Actor:
             grad_norms.append(float(norm))
             lrs.append(lr)
         self.model.eval()
-        all_tokens = float(batch.loss_mask.sum().clamp(min=1.0))
-        result = {key: value / all_tokens for key, value in totals.items()}
+        result = {key: value / len(grad_norms) for key, value in totals.items()}
+        result.update(critic_stats)
         result.update(
             grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], lrs=lrs, global_step=self.step
         )
         return result
 
-    def _accumulate(self, part: TrainBatch, global_tokens: torch.Tensor) -> dict[str, float]:
+    def _main_loss(self, part: TrainBatch, logp: torch.Tensor, reduce: LossReducer):
+        algo = self.algo
+        if algo.loss_type == "sft_loss":
+            loss = -reduce(logp)
+            return loss, {"sft_loss": float(loss.detach())}
+        if algo.loss_type == "custom_loss":
+            if self._custom_loss is None:
+                self._custom_loss = load_custom_loss(algo.custom_loss_function_path)
+            loss, metrics = self._custom_loss(algo, part, logp, reduce)
+            return loss, {key: float(value) for key, value in metrics.items()}
+        per_token, clip = ppo_clip_loss(
+            logp,
+            part.old_logprobs,
+            part.advantages,
+            part.loss_mask,
+            algo.eps_clip,
+            algo.clip_high,
+            algo.eps_clip_c,
+            sequence_level=algo.advantage_estimator == "gspo",
+            token_weights=part.tis_weights,
+        )
+        loss = reduce(per_token)
+        stats = {"pg_loss": float(loss.detach())}
+        stats.update({key: float(reduce(value)) for key, value in clip.items()})
+        return loss, stats
+
+    def _accumulate(self, part: TrainBatch, reduce: LossReducer) -> dict[str, float]:
         logp, entropy = sequence_logprobs(
             self.model,
             part,
@@ -181,29 +189,20 @@ class Actor:
             with_entropy=True,
             entropy_grad=self.algo.entropy_coef != 0.0,
         )
-        mask = part.loss_mask
-        pg_sum, clip_stats = ppo_clip_loss(
-            logp,
-            part.old_logprobs,
-            part.advantages,
-            mask,
-            self.algo.eps_clip,
-            self.algo.eps_clip_high if self.algo.eps_clip_high is not None else self.algo.eps_clip,
-            part.tis_weights,
-        )
-        entropy_sum = (entropy * mask).sum()
-        loss = pg_sum - self.algo.entropy_coef * entropy_sum
-        stats = {"pg_loss": float(pg_sum.detach()), "entropy": float(entropy_sum.detach())}
+        loss, stats = self._main_loss(part, logp, reduce)
+        entropy_loss = reduce(entropy)
+        if self.algo.entropy_coef:
+            loss = loss - self.algo.entropy_coef * entropy_loss
+        stats["entropy"] = float(entropy_loss.detach())
         if part.ref_logprobs is not None:
-            kl_sum = (kl_estimate(logp, part.ref_logprobs, self.algo.kl_loss_type) * mask).sum()
-            if self.algo.use_kl_loss:
-                loss = loss + self.algo.kl_loss_coef * kl_sum
-            stats["kl"] = float(kl_sum)
+            kl = reduce(kl_estimate(logp, part.ref_logprobs, self.algo.kl_loss_type))
+            if self.algo.use_kl_loss and self.algo.kl_loss_coef:
+                loss = loss + self.algo.kl_loss_coef * kl
+            stats["kl"] = float(kl.detach())
         else:
             # no reference: report the drift from the generating policy instead
-            stats["kl"] = float(((part.old_logprobs - logp.detach()) * mask).sum())
-        (loss / global_tokens).backward()
-        stats.update({k: float(v) for k, v in clip_stats.items()})
+            stats["kl"] = float(reduce(part.old_logprobs - logp.detach()))
+        loss.backward()
         return stats
 
     def state_dict(self) -> dict:

@@ -24,9 +24,9 @@ class TrainBatch:
     rewards: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
-    tis_weights: torch.Tensor | None = (
-        None  # [N, L-1] per-token policy-gradient weights (--use-tis)
-    )
+    tis_weights: torch.Tensor | None = None  # [N, L-1] policy-gradient weights (--use-tis)
+    returns: torch.Tensor | None = None  # value targets (PPO critic)
+    values: torch.Tensor | None = None  # the critic's values before this rollout's update
     # per-token tensors start at this target column (input_ids and attention_mask do not)
     target_offset: int = 0
 
@@ -57,6 +57,8 @@ class TrainBatch:
             ref_logprobs=cut(self.ref_logprobs, lead, width - 1),
             advantages=cut(self.advantages, lead, width - 1),
             tis_weights=cut(self.tis_weights, lead, width - 1),
+            returns=cut(self.returns, lead, width - 1),
+            values=cut(self.values, lead, width - 1),
             target_offset=lead,
         )
 

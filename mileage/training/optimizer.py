@@ -16,16 +16,18 @@ from mileage.config import option
 
 @dataclass
 class OptimConfig:
-    lr: float = option(1e-4, "peak learning rate")
+    lr: float = option(1e-6, "peak learning rate")
     min_lr: float = option(0.0, "learning rate at the end of decay")
     lr_warmup_iters: int = option(0, "optimizer steps of linear warmup from 0")
     lr_decay_style: str = option(
-        "constant", "LR shape after warmup", choices=("constant", "linear", "cosine")
+        "linear", "LR shape after warmup", choices=("constant", "linear", "cosine")
     )
     lr_decay_iters: int | None = option(None, "optimizer steps until --min-lr (default: whole run)")
-    weight_decay: float = option(0.0, "AdamW weight decay")
+    weight_decay: float = option(
+        0.01, "AdamW weight decay (matrices only; biases and norm weights are not decayed)"
+    )
     adam_beta1: float = option(0.9, "AdamW beta1")
-    adam_beta2: float = option(0.98, "AdamW beta2")
+    adam_beta2: float = option(0.999, "AdamW beta2")
     adam_eps: float = option(1e-8, "AdamW epsilon")
     clip_grad: float = option(1.0, "max global gradient norm (0 disables clipping)")
 
@@ -63,11 +65,19 @@ def build_schedule(cfg: OptimConfig, total_steps: int) -> LRSchedule:
     )
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, lr: float | None = None
+) -> torch.optim.AdamW:
+    # as Megatron: weight decay on matrices only, never on biases or norm weights
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     # foreach=False: the per-tensor loop is bit-stable regardless of how tensors are grouped
     return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.lr,
+        [g for g in groups if g["params"]],
+        lr=cfg.lr if lr is None else lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,

@@ -1,0 +1,137 @@
+"""`AlgoConfig`: the algorithm flags, with miles' names, defaults and meaning (docs/flags.md),
+and the combinations miles refuses, refused here before anything runs."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mileage.config import option
+from mileage.errors import UserError
+from mileage.training.losses import KL_ESTIMATORS
+
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class AlgoConfig:
+    advantage_estimator: str = option("grpo", "how rewards become advantages", choices=ESTIMATORS)
+    disable_grpo_std_normalization: bool = option(
+        False, "GRPO: subtract the group mean only, do not divide by the group std"
+    )
+    normalize_advantages: bool = option(
+        False, "whiten advantages over the rollout's response tokens (required by REINFORCE++)"
+    )
+    gamma: float = option(1.0, "discount (REINFORCE++ returns, PPO GAE)")
+    lambd: float = option(1.0, "GAE lambda (PPO)")
+    loss_type: str = option(
+        "policy_loss",
+        "policy_loss (PPO-clip), sft_loss (NLL of the sampled responses) or custom_loss",
+        choices=("policy_loss", "sft_loss", "custom_loss"),
+    )
+    custom_loss_function_path: str | None = option(
+        None,
+        "with --loss-type custom_loss: module:function (or module.function) called as "
+        "fn(algo, batch, logprobs, reduce) -> (loss, {name: float})",
+    )
+    calculate_per_token_loss: bool = option(
+        False, "token mean over the global batch (default: mean over samples of each's token mean)"
+    )
+    eps_clip: float = option(0.2, "PPO clip range below 1")
+    eps_clip_high: float | None = option(None, "PPO clip range above 1 (default: --eps-clip)")
+    eps_clip_c: float | None = option(
+        None, "dual-clip PPO: bound a negative-advantage token's loss by -c*A (c > 1)"
+    )
+    value_clip: float = option(0.2, "PPO critic: clip of the value change around the old value")
+    kl_coef: float = option(
+        0.0,
+        "KL-to-reference penalty in the reward (REINFORCE++ family), estimated by --kl-loss-type",
+    )
+    use_kl_loss: bool = option(False, "add a KL-to-reference term to the loss")
+    kl_loss_coef: float = option(0.0, "weight of the KL loss")
+    kl_loss_type: str = option("k1", "KL estimator (loss and reward KL)", choices=KL_ESTIMATORS)
+    entropy_coef: float = option(0.0, "entropy bonus weight (entropy is always logged)")
+    global_batch_size: int | None = option(
+        None, "samples per optimizer step (default: the whole rollout, one step)"
+    )
+    micro_batch_size: int | None = option(
+        None, "samples per forward/backward; gradients accumulate (default: global batch)"
+    )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef != 0.0 or self.use_kl_loss
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip_high if self.eps_clip_high is not None else self.eps_clip
+
+    def validate(self, n_samples_per_prompt: int) -> None:
+        """Refuse what miles refuses, and what would silently do nothing."""
+        est = self.advantage_estimator
+        if self.kl_coef != 0.0 and (self.use_kl_loss or self.kl_loss_coef != 0.0):
+            raise UserError(
+                "give --kl-coef (KL in the reward) or --use-kl-loss/--kl-loss-coef (KL in the "
+                "loss), not both (miles refuses both at once)"
+            )
+        if self.kl_coef != 0.0 and est not in (
+            "reinforce_plus_plus",
+            "reinforce_plus_plus_baseline",
+        ):
+            raise UserError(
+                f"--kl-coef has no effect with --advantage-estimator {est} (miles ignores it); "
+                "use --use-kl-loss --kl-loss-coef"
+            )
+        if est.startswith("reinforce_plus_plus") and not self.normalize_advantages:
+            raise UserError(f"{est} needs --normalize-advantages (as in miles)")
+        if est in GROUP_ESTIMATORS and n_samples_per_prompt < 2:
+            raise UserError(
+                f"{est} needs --n-samples-per-prompt >= 2 (advantages are relative to the group)"
+            )
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
+            raise UserError(f"--eps-clip-c must be > 1, got {self.eps_clip_c}")
+        for flag, value in (("--gamma", self.gamma), ("--lambd", self.lambd)):
+            if not 0.0 <= value <= 1.0:
+                raise UserError(f"{flag} must be in [0, 1], got {value}")
+        if self.value_clip <= 0:
+            raise UserError(f"--value-clip must be positive, got {self.value_clip}")
+        if (self.loss_type == "custom_loss") != (self.custom_loss_function_path is not None):
+            raise UserError("--loss-type custom_loss and --custom-loss-function-path go together")
+        if self.custom_loss_function_path:
+            load_custom_loss(self.custom_loss_function_path)
+
+    def batch_sizes(self, samples_per_rollout: int) -> tuple[int, int]:
+        """(global, micro) batch sizes, checked against the rollout size."""
+        gbs = self.global_batch_size or samples_per_rollout
+        mbs = self.micro_batch_size or gbs
+        if gbs <= 0 or mbs <= 0:
+            raise UserError(f"batch sizes must be positive (global {gbs}, micro {mbs})")
+        if samples_per_rollout % gbs:
+            raise UserError(
+                f"--global-batch-size {gbs} does not divide the {samples_per_rollout} samples of a "
+                f"rollout (--rollout-batch-size x --n-samples-per-prompt)"
+            )
+        if gbs % mbs:
+            raise UserError(f"--micro-batch-size {mbs} does not divide --global-batch-size {gbs}")
+        return gbs, mbs
+
+
+def load_custom_loss(path: str) -> Callable:
+    """`module:function` (mileage's form, as --custom-rm-path) or `module.function` (miles')."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise UserError(f"--custom-loss-function-path must be module:function, got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
+        raise UserError(
+            f"--custom-loss-function-path: cannot import {module_name!r}: {exc}"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(f"--custom-loss-function-path: {module_name!r} has no function {attr!r}")
+    return fn

@@ -1,0 +1,140 @@
+"""The PPO critic: a value model (the actor's architecture, its LM head replaced by a scalar
+value head) and its training on GAE returns with value clipping (miles' `value_loss`).
+
+Values live in the same "target" space as log-probs: `values[:, i]` is the value of the state
+whose next token is `targets[:, i]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mileage.config import option
+from mileage.seeding import derive_seed
+from mileage.training.batch import TrainBatch
+from mileage.training.losses import LossReducer, value_loss
+from mileage.training.optimizer import LRSchedule
+
+
+@dataclass
+class CriticConfig:
+    critic_load: str | None = option(
+        None, "PPO: initial critic weights (default: the actor's + a fresh value head)"
+    )
+    critic_save: str | None = option(
+        None, "PPO: critic checkpoints (default: --save with _critic appended)"
+    )
+    critic_lr: float | None = option(None, "PPO: critic learning rate (default: --lr)")
+    num_critic_only_steps: int = option(
+        0, "PPO: first rollouts in which only the critic trains (the actor is frozen)"
+    )
+
+    def save_dir(self, save: str | None) -> str | None:
+        """miles' default: a sibling of --save, so the two trackers never share a directory."""
+        if self.critic_save or not save:
+            return self.critic_save
+        return save.rstrip("/") + "_critic"
+
+
+class ValueModel(torch.nn.Module):
+    """The actor's transformer body and a `hidden -> 1` value head."""
+
+    def __init__(self, causal_lm: torch.nn.Module, seed: int):
+        super().__init__()
+        self.body = getattr(causal_lm, causal_lm.base_model_prefix)
+        hidden = causal_lm.config.hidden_size
+        self.value_head = torch.nn.Linear(hidden, 1, bias=False)
+        # a fresh head, drawn from its own indexed generator so a run's critic is reproducible
+        gen = torch.Generator().manual_seed(derive_seed(seed, "value_head", 0))
+        with torch.no_grad():
+            self.value_head.weight.normal_(0.0, hidden**-0.5, generator=gen)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def sequence_values(model: ValueModel, batch: TrainBatch) -> torch.Tensor:
+    """Values at target columns from `target_offset` on, shaped like the batch's loss mask."""
+    values = model(batch.input_ids, batch.attention_mask)
+    return values[:, batch.target_offset : batch.input_ids.shape[1] - 1]
+
+
+class Critic:
+    """Value model + optimizer; `step` counts its optimizer steps, `rollouts` its rollouts."""
+
+    def __init__(
+        self,
+        model: ValueModel,
+        optimizer: torch.optim.Optimizer,
+        schedule: LRSchedule,
+        value_clip: float,
+        clip_grad: float,
+        per_token: bool,
+        critic_only_rollouts: int = 0,
+    ):
+        self.model = model
+        self.critic_only_rollouts = critic_only_rollouts
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.value_clip = value_clip
+        self.clip_grad = clip_grad
+        self.per_token = per_token
+        self.step = 0
+        self.rollouts = 0
+
+    @property
+    def actor_frozen(self) -> bool:
+        """--num-critic-only-steps: the actor waits while the critic warms up (miles' order:
+        the critic trains on a rollout before the actor)."""
+        return self.rollouts < self.critic_only_rollouts
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch, micro: int) -> torch.Tensor:
+        """The current critic's values for the whole (packed) batch."""
+        self.model.eval()
+        out = torch.zeros_like(batch.old_logprobs)
+        for start in range(0, len(batch), micro):
+            part = batch.slice(start, start + micro)
+            first = part.target_offset
+            values = sequence_values(self.model, part)
+            out[start : start + micro, first : first + values.shape[1]] = values
+        return out * batch.loss_mask
+
+    def train_rollout(self, batch: TrainBatch, gbs: int, mbs: int) -> dict[str, float]:
+        """Optimizer steps on the value loss against `batch.returns` (GAE targets)."""
+        self.model.train()
+        loss_total, clip_total, steps = 0.0, 0.0, 0
+        for g_start in range(0, len(batch), gbs):
+            mask = batch.loss_mask[g_start : g_start + gbs]
+            denominator = LossReducer.global_denominator(mask, self.per_token)
+            self.optimizer.zero_grad(set_to_none=True)
+            for m_start in range(g_start, g_start + gbs, mbs):
+                part = batch.slice(m_start, m_start + mbs)
+                reduce = LossReducer(part.loss_mask, self.per_token, denominator)
+                per_token, clipped = value_loss(
+                    sequence_values(self.model, part), part.values, part.returns, self.value_clip
+                )
+                loss = reduce(per_token)
+                loss.backward()
+                loss_total += float(loss.detach())
+                clip_total += float(reduce(clipped))
+            if self.clip_grad > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
+            lr = self.schedule.lr_at(self.step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.step += 1
+            steps += 1
+        self.model.eval()
+        self.rollouts += 1
+        return {"value_loss": loss_total / steps, "value_clipfrac": clip_total / steps}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "rollouts": self.rollouts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.rollouts = int(state["step"]), int(state["rollouts"])

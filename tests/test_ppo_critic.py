@@ -1,0 +1,103 @@
+"""The PPO critic: value model construction, value targets, and that training fits the returns."""
+
+from __future__ import annotations
+
+import torch
+
+from mileage.training.critic import Critic, CriticConfig, ValueModel, sequence_values
+from mileage.training.optimizer import LRSchedule
+
+
+def _batch():
+    from mileage.rollout.rollout import Sample
+    from mileage.training.batch import pack_samples
+
+    gen = torch.Generator().manual_seed(2)
+    samples = []
+    for i in range(4):
+        prompt = torch.randint(4, 20, (3 + i % 2,), generator=gen).tolist()
+        response = torch.randint(4, 20, (1 + i % 3,), generator=gen).tolist()
+        samples.append(
+            Sample(None, prompt, response, [-1.0] * len(response), "", float(i % 2), True)
+        )
+    return pack_samples(samples, 0)
+
+
+def test_value_model_is_the_actor_body_with_a_reproducible_fresh_head(tiny_hf):
+    from transformers import AutoModelForCausalLM
+
+    actor = AutoModelForCausalLM.from_pretrained(tiny_hf)
+    a = ValueModel(AutoModelForCausalLM.from_pretrained(tiny_hf), seed=7)
+    b = ValueModel(AutoModelForCausalLM.from_pretrained(tiny_hf), seed=7)
+    c = ValueModel(AutoModelForCausalLM.from_pretrained(tiny_hf), seed=8)
+    for name, tensor in actor.model.state_dict().items():
+        assert torch.equal(a.body.state_dict()[name], tensor)
+    assert torch.equal(a.value_head.weight, b.value_head.weight)
+    assert not torch.equal(a.value_head.weight, c.value_head.weight)
+    batch = _batch()
+    part = batch.slice(0, len(batch))
+    assert sequence_values(a, part).shape == part.loss_mask.shape
+
+
+def test_critic_save_defaults_to_a_sibling_of_save():
+    assert CriticConfig().save_dir("/runs/x/") == "/runs/x_critic"
+    assert CriticConfig(critic_save="/c").save_dir("/runs/x") == "/c"
+    assert CriticConfig().save_dir(None) is None
+
+
+def test_critic_training_fits_the_returns(tiny_hf):
+    from transformers import AutoModelForCausalLM
+
+    model = ValueModel(AutoModelForCausalLM.from_pretrained(tiny_hf), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    critic = Critic(model, opt, LRSchedule(1e-2, 0, 0, "constant", 1), 10.0, 1.0, per_token=False)
+    batch = _batch()
+    batch.returns = batch.rewards[:, None] * batch.loss_mask  # value of every state = its reward
+    losses = []
+    for _ in range(30):
+        batch.values = critic.values(batch, micro=2)
+        losses.append(critic.train_rollout(batch, gbs=4, mbs=2)["value_loss"])
+    assert losses[-1] < 0.1 * losses[0]
+    assert critic.state_dict() == {"step": 30, "rollouts": 30}
+    fitted = critic.values(batch, micro=4)
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(fitted[mask], batch.returns[mask], atol=0.25)
+
+
+def test_actor_with_critic_uses_gae_and_waits_for_the_critic_warmup(tiny_hf):
+    from transformers import AutoModelForCausalLM
+
+    from mileage.training.actor import Actor, AlgoConfig
+    from mileage.training.advantages import compute_advantages
+
+    value_model = ValueModel(AutoModelForCausalLM.from_pretrained(tiny_hf), seed=0)
+    critic = Critic(
+        value_model,
+        torch.optim.SGD(value_model.parameters(), lr=0.1),
+        LRSchedule(0.1, 0, 0, "constant", 1),
+        0.2,
+        0.0,
+        per_token=False,
+        critic_only_rollouts=1,
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf)
+    algo = AlgoConfig(advantage_estimator="ppo", gamma=0.9, lambd=0.7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    actor = Actor(model, opt, LRSchedule(0.1, 0, 0, "constant", 1), algo, 1.0, 2, 0, critic=critic)
+
+    def weights(m):
+        return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+    before = weights(model)
+    batch = _batch()
+    values = critic.values(batch, micro=4)
+    stats = actor.train_rollout(batch)
+    want, returns = compute_advantages(
+        "ppo", batch.rewards, batch.loss_mask, 2, gamma=0.9, lambd=0.7, values=values
+    )
+    assert torch.equal(batch.values, values) and torch.allclose(batch.advantages, want)
+    assert torch.allclose(batch.returns, returns)
+    assert torch.equal(weights(model), before) and actor.step == 0  # critic-only rollout
+    assert critic.step == 1 and "value_loss" in stats
+    actor.train_rollout(_batch())
+    assert not torch.equal(weights(model), before) and actor.step == 1 and critic.step == 2
