@@ -95,3 +95,18 @@ def test_the_rerun_removes_and_names_what_a_killed_save_left(cli, tiny_hf, tmp_p
     assert f"removed leftover of an interrupted save: {leftovers[0]}" in resumed.stdout
     assert not [p for p in save.iterdir() if p.name.startswith(STAGING_PREFIX)]
     assert read_tracker(save).iteration == 1 and verify_save_dir(save)[1] == []
+
+
+def test_write_errors_inside_dcp_and_safetensors_surface_as_os_errors(tmp_path):
+    """Both libraries wrap I/O failures in their own exception types; a save must still report
+    them as the OSError that `commit_checkpoint` turns into one line."""
+    import torch
+
+    from mileage.checkpoint.store import save_safetensors, save_tensors
+
+    occupied = tmp_path / "model"
+    occupied.write_text("a file where the tensor directory should go")
+    with pytest.raises(FileExistsError):
+        save_tensors({"w": torch.zeros(3)}, occupied)
+    with pytest.raises(OSError, match="writing rng.safetensors failed"):
+        save_safetensors({"w": torch.zeros(3)}, tmp_path / "deleted" / "rng.safetensors")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from mileage.checkpoint.layout import (
@@ -125,6 +126,16 @@ def write_json_durably(path: Path, data: dict) -> None:
         os.fsync(handle.fileno())
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, durably; its I/O failures (a Rust error type) become OSError, so
+    a failing save is reported like any other write error."""
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as exc:
+        raise OSError(errno.EIO, f"writing {path.name} failed: {exc}", str(path)) from None
+    fsync_path(path)
+
+
 def write_tracker(save_dir: str | Path, value: int | str) -> None:
     """Atomically point the tracker at `value` (temp file, fsync, rename, fsync directory)."""
     save_dir = Path(save_dir)
@@ -158,9 +169,22 @@ def _quiet_dcp() -> Iterator[None]:
 def save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
     """Write `tensors` as a DCP directory; its files are fsynced later, by `_sync_and_hash`."""
     import torch.distributed.checkpoint as dcp  # ~0.8 s of imports; runs without --save skip it
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    with _quiet_dcp():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=False))
+    try:
+        with _quiet_dcp():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=False))
+    except CheckpointException as exc:
+        # DCP wraps the writer's failure (disk full, I/O error) per rank; report it as the
+        # OSError it is, so a failing save stops with one line like any other write error
+        # (each failure is an (exception, traceback) pair)
+        errors = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        cause = next((e for e in errors if isinstance(e, OSError)), None)
+        if cause is not None:
+            raise cause from None
+        raise OSError(
+            errno.EIO, f"writing {directory.name} failed: {exc}", str(directory)
+        ) from None
     fsync_path(directory)
 
 
@@ -211,8 +235,7 @@ def _write_contents(directory: Path, state: CheckpointState) -> None:
         save_tensors(state.optimizer, directory / OPTIMIZER_DIR)
         fault_point("save_after_optimizer", directory)
     if state.rng:
-        save_file(state.rng, str(directory / RNG_FILE))
-        fsync_path(directory / RNG_FILE)
+        save_safetensors(state.rng, directory / RNG_FILE)
     if state.trainer:
         write_json_durably(directory / TRAINER_STATE, state.trainer)
     write_json_durably(directory / META, state.meta)
