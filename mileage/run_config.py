@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from mileage.checkpoint.config import CheckpointConfig
 from mileage.config import add_options, from_namespace, option
+from mileage.distributed import env
+from mileage.distributed.parallelize import ParallelConfig
 from mileage.errors import UserError
 from mileage.rollout.data import DataConfig
 from mileage.rollout.rewards import RewardConfig
@@ -47,6 +49,7 @@ SECTIONS = (
     ("algo", AlgoConfig, "algorithm"),
     ("optim", OptimConfig, "optimizer"),
     ("loop", LoopConfig, "loop"),
+    ("parallel", ParallelConfig, "distributed (torchrun)"),
 )
 
 
@@ -59,6 +62,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +113,7 @@ class RunConfig:
             raise UserError(
                 "grpo needs --n-samples-per-prompt >= 2 (advantages are relative to the group)"
             )
-        self.algo.batch_sizes(r.samples_per_rollout)
+        self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
         if self.checkpoint.megatron_to_hf_mode == "raw" and not self.checkpoint.hf_checkpoint:
             raise UserError("raw mode needs --hf-checkpoint for the architecture and tokenizer")
 

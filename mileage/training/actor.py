@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mileage.config import option
+from mileage.distributed import env
 from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.training.advantages import compute_advantages
@@ -147,8 +148,8 @@ class Actor:
         for g_start in range(0, len(batch), gbs):
             tokens = batch.loss_mask[g_start : g_start + gbs].sum().clamp(min=1.0)
             self.optimizer.zero_grad(set_to_none=True)
-            for m_start in range(g_start, g_start + gbs, mbs):
-                stats = self._accumulate(batch.slice(m_start, m_start + mbs), tokens)
+            for m_start, m_end in env.micro_batches(g_start, gbs, mbs):  # this rank's share
+                stats = self._accumulate(batch.slice(m_start, m_end), tokens)
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
             if self.clip_grad > 0:
@@ -166,6 +167,7 @@ class Actor:
             grad_norms.append(float(norm))
             lrs.append(lr)
         self.model.eval()
+        totals = env.sum_over_ranks(totals)
         all_tokens = float(batch.loss_mask.sum().clamp(min=1.0))
         result = {key: value / all_tokens for key, value in totals.items()}
         result.update(
