@@ -1,7 +1,8 @@
 """Named fault-injection points for the crash-anywhere and faulty-disk tests.
 
 `MILEAGE_KILL_AT=<point>[:<hit>]` makes the process SIGKILL itself the <hit>-th time (default
-1st) execution reaches `fault_point(<point>)`. `MILEAGE_FAIL_AT=<point>:<ERRNO>[:<hit>]` raises
+1st) execution reaches `fault_point(<point>)`; under torchrun every rank does, unless
+`MILEAGE_KILL_RANK=<r>` names the one rank that dies. `MILEAGE_FAIL_AT=<point>:<ERRNO>[:<hit>]` raises
 `OSError(ERRNO)` there instead (ENOSPC, EIO, EACCES...), and `<point>:DELETE` removes the
 directory passed to the fault point, as if deleted under the run. Unset, a fault point costs a
 string comparison.
@@ -25,6 +26,8 @@ def _parse(variable: str) -> tuple[str, str, int]:
 
 _kill_point, _, _kill_hits = _parse("MILEAGE_KILL_AT")
 _fail_point, _fail_action, _fail_hits = _parse("MILEAGE_FAIL_AT")
+if os.environ.get("MILEAGE_KILL_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+    _kill_point = ""  # another rank is the one to die
 
 
 def fault_point(name: str, path: str | os.PathLike | None = None) -> None:
