@@ -97,8 +97,8 @@ class Kill:
             raise ValueError(f"delay must be >= 0, got {self.delay}")
 
     @classmethod
-    def at(cls, point: str, hit: int = 1) -> Kill:
-        return cls(point=point, hit=hit)
+    def at(cls, point: str, hit: int = 1, rank: int = 0) -> Kill:
+        return cls(point=point, hit=hit, rank=rank)
 
     @classmethod
     def after(cls, seconds: float) -> Kill:
