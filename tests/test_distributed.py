@@ -62,7 +62,8 @@ ARGS = [
 ]  # fmt: skip
 
 # (kill, rollout it hits, tracker after it). Points inside the commit after the shards are
-# written run on rank 0 only; the others are aimed at either rank.
+# written run on rank 0 only; the others are aimed at either rank. A surviving rank runs on
+# until its next collective, so a kill of rank 1 is aimed where that cannot log a rollout.
 CHAIN = [
     (Kill.at("rollout_start", rank=1), 0, None),
     (Kill.at("after_generate", rank=0), 0, None),
@@ -70,7 +71,8 @@ CHAIN = [
     (Kill.at("save_after_model", rank=1), 0, None),  # rank 1's shards written, rank 0's maybe
     (Kill.at("commit_before_rename", rank=0), 0, None),
     (Kill.at("commit_after_tracker", rank=0), 0, 0),
-    (Kill.at("after_train", rank=1), 1, 0),
+    # rank 0 itself: killed on rank 1 here, rank 0 may log rollout 1 before it notices
+    (Kill.at("after_train", rank=0), 1, 0),
     (Kill.at("after_metrics", rank=0), 1, 0),  # logged, not saved: the log is cut back
     (Kill.at("commit_before_tracker", rank=0), 1, 0),  # complete iter_1 the tracker misses
     (Kill.at("optimizer_step", 2, rank=0), 1, 0),  # the second step of rollout 1
