@@ -36,6 +36,10 @@ from mileage.checkpoint.store import (
     verify_checkpoint,
 )
 from mileage.checkpoint.writer import CheckpointWriter
+from mileage.distributed import env
+from mileage.distributed.checkpoint import ShardedCheckpointWriter, rng_of_this_rank
+from mileage.distributed.parallelize import shard_run_models
+from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.errors import UserError
 from mileage.metrics import MetricsLog
 from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
@@ -90,6 +94,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     reward_fn = build_reward_fn(cfg.reward)
     model_config = model_config_of(cfg)
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
+    flags = replace(flags, world_size=env.world_size())
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:
         # the built-in model is built on first use; plan as if it were there
@@ -164,6 +169,15 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         ref_path, ref_fmt = reference_source(flags, gather_disk_state(flags, None))
         reference = _load_weights(ref_path, ref_fmt, config_dir).requires_grad_(False)
         log(f"reference model: {ref_path} ({ref_fmt})")
+    eos = tokenizer.eos_token_id
+    engine = None
+    if not cfg.rollout.load_debug_rollout_data:
+        engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
+    if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
+        model, reference, generation_copy = shard_run_models(model, reference, cfg.parallel)
+        if engine is not None:
+            engine.model = generation_copy
+            engine = ShardedGenerationEngine(engine, cfg.rollout.n_samples_per_prompt)
     optimizer = build_optimizer(model, cfg.optim)
     steps_per_rollout = (
         cfg.rollout.samples_per_rollout // cfg.algo.batch_sizes(cfg.rollout.samples_per_rollout)[0]
@@ -179,10 +193,9 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         clip_grad=cfg.optim.clip_grad,
         reference=reference,
     )
-    eos = tokenizer.eos_token_id
     writer = None
     if cfg.checkpoint.save:
-        writer = CheckpointWriter(
+        writer = (ShardedCheckpointWriter if env.is_distributed() else CheckpointWriter)(
             cfg.checkpoint.save,
             cfg.checkpoint.save_keep_last,
             cfg.checkpoint.async_save,
@@ -194,9 +207,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         tokenizer=tokenizer,
         encode=PromptEncoder(tokenizer, cfg.data.apply_chat_template),
         actor=actor,
-        engine=None
-        if cfg.rollout.load_debug_rollout_data
-        else build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log),
+        engine=engine,
         data=PromptSource(pre.prompts, cfg.data.rollout_shuffle, cfg.loop.seed),
         eval_prompts=pre.eval_prompts,
         reward_fn=pre.reward_fn,
@@ -206,7 +217,9 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             cfg.rollout.rollout_top_p,
         ),
         writer=writer,
-        metrics=MetricsLog(cfg.checkpoint.save, cfg.loop.use_tensorboard),
+        metrics=MetricsLog(
+            cfg.checkpoint.save if env.is_main() else None, cfg.loop.use_tensorboard
+        ),
         model_config=read_config_json(config_dir),
     )
 
@@ -222,7 +235,7 @@ def restore(run: Run, log) -> None:
     if plan.load_optimizer:
         load_optimizer_tensors(plan.weights_from, run.model, run.actor.optimizer)
     if plan.load_rng:
-        restore_rng_state(load_rng_tensors(plan.weights_from), trainer["rng"])
+        restore_rng_state(rng_of_this_rank(load_rng_tensors(plan.weights_from)), trainer["rng"])
     if plan.load_data_state:
         run.data.load_state_dict(trainer["data"])
     log(f"restored {plan.weights_from}: optimizer step {run.actor.step}, data {trainer['data']}")
@@ -250,7 +263,7 @@ def checkpoint_meta(model_config: dict, rollout_id: int | None, **extra) -> dict
         "kind": "iteration" if rollout_id is not None else "release",
         "rollout_id": rollout_id,
         "next_rollout_id": None if rollout_id is None else rollout_id + 1,
-        "world_size": 1,
+        "world_size": env.world_size(),
         "model_config": architecture(model_config),
         "model_config_fingerprint": fingerprint(model_config),
         "versions": {

@@ -1,8 +1,9 @@
 """Named fault-injection points for the crash-anywhere, faulty-disk and preemption tests.
 
 `MILEAGE_KILL_AT=<point>[:<hit>]` makes the process SIGKILL itself the <hit>-th time (default
-1st) execution reaches `fault_point(<point>)`. `MILEAGE_FAIL_AT=<point>:<ERRNO>[:<hit>]` raises
-`OSError(ERRNO)` there instead (ENOSPC, EIO, EACCES...), and `<point>:DELETE` removes the
+1st) execution reaches `fault_point(<point>)`; under torchrun every rank does, unless
+`MILEAGE_KILL_RANK=<r>` names the one rank that dies. `MILEAGE_FAIL_AT=<point>:<ERRNO>[:<hit>]`
+raises `OSError(ERRNO)` there instead (ENOSPC, EIO, EACCES...), and `<point>:DELETE` removes the
 directory passed to the fault point, as if deleted under the run.
 `MILEAGE_SIGNAL_AT=<point>:<SIGNAME>[:<hit>]` sends the process that signal there, so that a
 SIGTERM lands at a known place (e.g. a second one inside a save). Each variable may hold several
@@ -28,10 +29,13 @@ class _Spec:
 
 def _parse() -> list[_Spec]:
     specs = []
+    rank = os.environ.get("RANK", "0")
     for variable in ("MILEAGE_KILL_AT", "MILEAGE_FAIL_AT", "MILEAGE_SIGNAL_AT"):
         for spec in filter(None, os.environ.get(variable, "").split(",")):
             point, _, rest = spec.partition(":")
             if variable == "MILEAGE_KILL_AT":
+                if os.environ.get("MILEAGE_KILL_RANK", rank) != rank:
+                    continue  # another rank is the one to die
                 action, hit = "", rest
             else:
                 action, _, hit = rest.partition(":")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import time
 
 from mileage.components import Run, checkpoint_state, restore
+from mileage.distributed import env
+from mileage.distributed.coordination import preemption_guard
 from mileage.faults import fault_point
-from mileage.preemption import PreemptionGuard
 from mileage.progress import RunProgress
 from mileage.rollout.engines.mismatch import apply_mismatch
 from mileage.rollout.rollout import evaluate, generate_samples, load_samples, save_samples
@@ -49,7 +50,7 @@ def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
         run.cfg.loop.seed,
         rollout_id,
     )
-    if rc.save_debug_rollout_data:
+    if rc.save_debug_rollout_data and env.is_main():
         save_samples(rc.save_debug_rollout_data, rollout_id, samples)
     return samples
 
@@ -75,7 +76,8 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             progress.print(f"eval before training: accuracy {accuracy:.3f}")
 
     stop_reason = None
-    with PreemptionGuard(cfg.loop.save_trigger_sentinel) as preempt:
+    # under torchrun, the stop and sentinel answers below are agreed by all ranks
+    with preemption_guard(cfg.loop.save_trigger_sentinel) as preempt:
         for rollout_id in range(plan.start_rollout_id, plan.num_rollout):
             started = time.perf_counter()
             progress.phase(rollout_id, "generate")

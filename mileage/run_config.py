@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from mileage.checkpoint.config import CheckpointConfig
 from mileage.config import add_options, flag_of, from_namespace, option
+from mileage.distributed import env
+from mileage.distributed.parallelize import ParallelConfig
 from mileage.errors import UserError
 from mileage.rollout.data import DataConfig
 from mileage.rollout.engines.config import EngineConfig
@@ -90,6 +92,7 @@ SECTIONS = (
     ("algo", AlgoConfig, "algorithm"),
     ("optim", OptimConfig, "optimizer"),
     ("loop", LoopConfig, "loop"),
+    ("parallel", ParallelConfig, "distributed (torchrun)"),
 )
 
 
@@ -104,6 +107,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # the DEMO_DEFAULTS this run took (empty unless it is the built-in demo)
     demo_defaults: dict = field(default_factory=dict)
 
@@ -181,7 +185,12 @@ class RunConfig:
         if not 0.0 < r.rollout_top_p <= 1.0:
             raise UserError(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p}")
         self.algo.validate(r.n_samples_per_prompt)
-        self.algo.batch_sizes(r.samples_per_rollout)
+        self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
+        if env.world_size() > 1 and self.engine.rollout_engine != "local":
+            raise UserError(
+                f"--rollout-engine {self.engine.rollout_engine} is not supported under torchrun "
+                "yet; each rank generates with the in-process engine (--rollout-engine local)"
+            )
         self.engine.validate()
         self.mismatch.validate()
         if self.checkpoint.megatron_to_hf_mode == "raw" and not self.checkpoint.hf_checkpoint:

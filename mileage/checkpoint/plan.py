@@ -19,6 +19,7 @@ the contract; each row has a test in tests/test_plan.py.
 | checkpoint model config != --hf-checkpoint config | error naming the differing fields                         |
 | --save holds committed checkpoints (a tracker) this start won't continue | error: suggest --load SAVE or a new --save |
 | mode bridge + native source / mode raw + HF source | error naming the mode that fits                          |
+| resume saved at another world size (torchrun N)   | resume (DCP reshards); the plan says what stays exact     |
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class StartFlags:
     load_optim: bool = True
     load_rng: bool = True
     start_rollout_id: int | None = None
+    world_size: int = 1  # processes of this run (torchrun --nproc-per-node x --nnodes)
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,19 @@ def _check_model_config(info: CheckpointInfo | None, disk: DiskState, path: str)
         )
 
 
+def _world_size_change(info: CheckpointInfo | None, world_size: int) -> list[str]:
+    saved = (info.meta if info is not None else {}).get("world_size", 1)
+    if saved == world_size:
+        return []
+    return [
+        f"world size changed: saved by {saved} process(es), resuming with {world_size}. Weights, "
+        "optimizer state, rollout id, data position and LR continue exactly (DCP reshards the "
+        "tensors); the rollouts after it are not bit-identical to a run that stayed at "
+        f"{saved}: gradients are summed over ranks in another order and generation is batched "
+        "differently"
+    ]
+
+
 def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
     """Decide how this run starts. Raises UserError for every state it refuses."""
     reasons: list[str] = []
@@ -285,6 +300,7 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
             )
         if not flags.load_rng:
             reasons.append("--no-load-rng: global RNG states not restored")
+        reasons += _world_size_change(source.info, flags.world_size)
     else:
         action, natural_start = FRESH, 0
         load_optim = load_rng = load_data = False

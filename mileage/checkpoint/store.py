@@ -200,10 +200,21 @@ def _sync_and_hash(files: list[Path]) -> dict[Path, str]:
         return {path: done.result() for path, done in digests.items()}
 
 
+def tensor_metadata(directory: str | Path) -> dict:
+    """Name -> DCP metadata (global size, dtype) of every entry of a DCP directory."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+
+
 def load_tensors(
     directory: str | Path, into: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Load a DCP tensor directory; into `into`'s tensors in place if given, else fresh tensors."""
+    """Load a DCP tensor directory; into `into`'s tensors in place if given, else fresh tensors.
+
+    `into` may hold DTensors (FSDP shards): each process then reads just its own shards, from a
+    checkpoint saved at any world size. Loads never communicate, so one rank alone may load.
+    """
     import torch.distributed.checkpoint as dcp
 
     prefetch_checkpoint(directory)
@@ -221,19 +232,20 @@ def load_tensors(
     with overwritten_allocations(), _quiet_dcp():
         if into is None:
             into = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()}
-        dcp.load(into, storage_reader=reader)
+        dcp.load(into, storage_reader=reader, no_dist=True)
     return into
 
 
 # ---------------------------------------------------------------- save and commit
 
 
-def _write_contents(directory: Path, state: CheckpointState) -> None:
-    save_tensors(state.model, directory / MODEL_DIR)
-    fault_point("save_after_model", directory)
-    if state.optimizer is not None:
-        save_tensors(state.optimizer, directory / OPTIMIZER_DIR)
-        fault_point("save_after_optimizer", directory)
+def _write_contents(directory: Path, state: CheckpointState, tensors_written: bool) -> None:
+    if not tensors_written:
+        save_tensors(state.model, directory / MODEL_DIR)
+        fault_point("save_after_model", directory)
+        if state.optimizer is not None:
+            save_tensors(state.optimizer, directory / OPTIMIZER_DIR)
+            fault_point("save_after_optimizer", directory)
     if state.rng:
         save_safetensors(state.rng, directory / RNG_FILE)
     if state.trainer:
@@ -256,15 +268,28 @@ def _write_contents(directory: Path, state: CheckpointState) -> None:
     fsync_path(directory)
 
 
-def commit_checkpoint(save_dir: str | Path, name: int | str, state: CheckpointState) -> Path:
-    """Write `state` as iter_{name:07d} (or release/) under `save_dir` and move the tracker to it."""
+def staging_path(save_dir: str | Path, name: int | str) -> Path:
+    target = checkpoint_path(save_dir, name)
+    return Path(save_dir) / f"{STAGING_PREFIX}{target.name}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def commit_checkpoint(
+    save_dir: str | Path, name: int | str, state: CheckpointState, staging: Path | None = None
+) -> Path:
+    """Write `state` as iter_{name:07d} (or release/) under `save_dir` and move the tracker to it.
+
+    `staging`: an existing staging directory into which all ranks of a sharded run have already
+    written the model and optimizer tensors (`mileage.distributed.checkpoint`); the rest of the
+    commit is the same.
+    """
     save_dir = Path(save_dir)
     target = checkpoint_path(save_dir, name)
-    staging = save_dir / f"{STAGING_PREFIX}{target.name}-{os.getpid()}-{time.monotonic_ns()}"
+    tensors_written = staging is not None
+    staging = staging or staging_path(save_dir, name)
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()
-        _write_contents(staging, state)
+        staging.mkdir(exist_ok=tensors_written)
+        _write_contents(staging, state, tensors_written)
         fault_point("commit_before_rename", staging)
         if target.exists():
             # a complete checkpoint the tracker does not name (e.g. a kill between rename and
@@ -337,13 +362,30 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     written, hashed and read twice: 0.11 GB of SmolLM2's 0.65 GB)."""
     seen: set[tuple[int, int]] = set()
     tensors = {}
+    aliases = tied_aliases(model)
     for name, value in model.state_dict().items():
+        if name in aliases:
+            continue
+        if hasattr(value, "to_local"):  # a DTensor shard: tied names were dropped above
+            tensors[name] = value
+            continue
         key = (value.untyped_storage().data_ptr(), value.storage_offset())
         if key in seen and value.numel():
             continue
         seen.add(key)
         tensors[name] = value
     return tensors
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names under which an already-listed parameter appears again (tied LM head)."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return aliases
 
 
 def load_model_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:
@@ -370,12 +412,24 @@ def optimizer_tensors(
 def load_optimizer_tensors(
     checkpoint: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
-    tensors = load_tensors(Path(checkpoint) / OPTIMIZER_DIR)
+    """Load into tensors laid out like their parameters (sharded like them under FSDP)."""
+    directory = Path(checkpoint) / OPTIMIZER_DIR
     params = dict(model.named_parameters())
+    targets = {}
+    with overwritten_allocations():
+        for name, meta in tensor_metadata(directory).items():
+            param_name, _, key = name.rpartition(".")
+            if param_name not in params:
+                raise UserError(f"{checkpoint}: optimizer state for unknown parameter {param_name}")
+            param = params[param_name]
+            dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+            if getattr(meta, "size", None) == param.shape and dtype is not None:
+                targets[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)
+            elif dtype is not None:
+                targets[name] = torch.empty(meta.size, dtype=dtype)
+    tensors = load_tensors(directory, into=targets)
     for name, value in tensors.items():
         param_name, _, key = name.rpartition(".")
-        if param_name not in params:
-            raise UserError(f"{checkpoint}: optimizer state for unknown parameter {param_name}")
         optimizer.state[params[param_name]][key] = value
 
 

@@ -2,35 +2,41 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 
-from mileage.checkpoint.lock import SaveDirLock
 from mileage.checkpoint.plan import COMPLETE
 from mileage.checkpoint.store import remove_leftovers
 from mileage.components import build_run, preflight
+from mileage.distributed import env
+from mileage.distributed.coordination import run_progress, save_dir_lock
 from mileage.loop import train
-from mileage.progress import RunProgress
 from mileage.run_config import RunConfig
 
 
 def train_command(cfg: RunConfig) -> int:
+    """Under torchrun every rank runs this; rank 0 prints, holds the lock and cleans up."""
+    with env.session():
+        return _train(cfg)
+
+
+def _train(cfg: RunConfig) -> int:
     pre = preflight(cfg)
     plan = pre.plan
-    progress = RunProgress(plan.start_rollout_id, plan.num_rollout)
+    progress = run_progress(plan.start_rollout_id, plan.num_rollout)
     if cfg.demo_note():
         progress.print(cfg.demo_note())
     progress.print(plan.describe())
     save = cfg.checkpoint.save
-    with SaveDirLock(save) if save else nullcontext() as lock:
+    with save_dir_lock(save) as lock:
         if lock is not None and lock.previous_holder:
             holder = lock.previous_holder
             progress.print(
                 f"took over a stale lock of {save} (pid {holder.get('pid')} on {holder.get('host')} is gone)"
             )
         if save:
-            for name in remove_leftovers(save):
+            for name in remove_leftovers(save) if env.is_main() else ():
                 progress.print(f"removed leftover of an interrupted save: {name}")
+            env.barrier()  # the other ranks plan again only after rank 0's cleanup
             # the plan was made before taking the lock; another run may have moved the tracker.
             # Reprint it only if the decision changed, not just the wording of its reasons.
             pre = preflight(cfg)

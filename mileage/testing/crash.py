@@ -10,11 +10,14 @@ harness SIGKILLs the process from outside. `run_with_kills` spends one kill per 
 the plain command until it exits 0, and returns one `Outcome` per kill;
 `mileage.testing.compare.compare_runs` lists every difference between two save directories.
 
-Every launch is `python -m mileage train ARGS --save D --load D --save-interval 1`.
+Every launch is `python -m mileage train ARGS --save D --load D --save-interval 1`, or with
+`nproc` > 1 the same under `torchrun --nproc-per-node nproc --standalone`; a kill point then
+kills one rank (`Kill.rank`, default 0) and torchrun stops the others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -91,6 +94,7 @@ class Kill:
     point: str | None = None
     hit: int = 1
     delay: float | None = None
+    rank: int = 0  # under torchrun: the rank that dies at the point
 
     def __post_init__(self) -> None:
         if (self.point is None) == (self.delay is None):
@@ -103,8 +107,8 @@ class Kill:
             raise ValueError(f"delay must be >= 0, got {self.delay}")
 
     @classmethod
-    def at(cls, point: str, hit: int = 1) -> Kill:
-        return cls(point=point, hit=hit)
+    def at(cls, point: str, hit: int = 1, rank: int = 0) -> Kill:
+        return cls(point=point, hit=hit, rank=rank)
 
     @classmethod
     def after(cls, seconds: float) -> Kill:
@@ -115,7 +119,9 @@ class Kill:
         return f"{self.point}:{self.hit}" if self.point else f"t+{self.delay:.2f}s"
 
     def env(self) -> dict[str, str]:
-        return {"MILEAGE_KILL_AT": f"{self.point}:{self.hit}"} if self.point else {}
+        if not self.point:
+            return {}
+        return {"MILEAGE_KILL_AT": f"{self.point}:{self.hit}", "MILEAGE_KILL_RANK": str(self.rank)}
 
 
 def random_time_kills(count: int, seed: int, low: float, high: float) -> list[Kill]:
@@ -181,7 +187,11 @@ class Launch:
 
     @property
     def died_by_kill(self) -> bool:
-        return self.returncode == _SIGKILLED and not self.timed_out
+        # torchrun exits 1 when a worker died; its failure report names the signal
+        killed = self.returncode == _SIGKILLED or (
+            self.returncode == 1 and "Signal 9 (SIGKILL)" in self.stderr
+        )
+        return killed and not self.timed_out
 
     @property
     def plan(self) -> tuple[int, int] | None:
@@ -240,10 +250,12 @@ class Outcome:
 # ---------------------------------------------------------------- running
 
 
-def train_command(args: Sequence[object], save_dir: str | Path) -> list[str]:
+def train_command(args: Sequence[object], save_dir: str | Path, nproc: int = 1) -> list[str]:
     save = str(save_dir)
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
     return [
         sys.executable,
+        *(launcher if nproc > 1 else []),
         "-m",
         "mileage",
         "train",
@@ -264,10 +276,13 @@ def launch(
     *,
     timeout: float = 900.0,
     env: dict[str, str] | None = None,
+    nproc: int = 1,
 ) -> Launch:
     """Run the train command once, killed as `kill` says; returns when the process has exited."""
     full_env = {
-        k: v for k, v in os.environ.items() if k not in ("MILEAGE_KILL_AT", "MILEAGE_FAIL_AT")
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MILEAGE_KILL_AT", "MILEAGE_KILL_RANK", "MILEAGE_FAIL_AT", "MILEAGE_SIGNAL_AT")
     }
     full_env.update(env or {})
     # unbuffered, so that output printed before a SIGKILL (the plan line) is not lost with it
@@ -277,7 +292,8 @@ def launch(
     outside = kill is not None and kill.delay is not None
     started = time.monotonic()
     proc = subprocess.Popen(
-        train_command(args, save_dir),
+        train_command(args, save_dir, nproc),
+        start_new_session=True,  # its own process group: a kill from outside takes every rank
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -302,7 +318,9 @@ def launch(
         proc.wait(timeout=kill.delay if outside else timeout)
     except subprocess.TimeoutExpired:
         timed_out = not outside
-        proc.kill()  # a no-op if the process exited in the meantime: its own returncode stands
+        # the whole group (torchrun's workers too); its own returncode stands if it is gone
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     for reader in readers:
         reader.join(timeout=60)
@@ -324,9 +342,10 @@ def run_uninterrupted(
     *,
     timeout: float = 900.0,
     env: dict[str, str] | None = None,
+    nproc: int = 1,
 ) -> Launch:
     """The reference run: one launch into a new `save_dir` that must exit 0."""
-    done = launch(args, save_dir, timeout=timeout, env=env)
+    done = launch(args, save_dir, timeout=timeout, env=env, nproc=nproc)
     if done.returncode != 0 or done.timed_out:
         raise CrashHarnessError(
             f"uninterrupted run exited with {done.returncode}"
@@ -344,6 +363,7 @@ def run_with_kills(
     timeout: float = 900.0,
     env: dict[str, str] | None = None,
     log: Callable[[str], None] | None = None,
+    nproc: int = 1,
 ) -> list[Outcome]:
     """Launch once per kill (each launch resumes from what the previous ones left), then rerun
     the plain command until it exits 0, at most `max_reruns` times; one Outcome per kill.
@@ -384,7 +404,7 @@ def run_with_kills(
             owner.append(-1)
             say(f"{kill.label}: not reached, the run had finished")
             continue
-        run = launch(args, save_dir, kill, timeout=timeout, env=env)
+        run = launch(args, save_dir, kill, timeout=timeout, env=env, nproc=nproc)
         record(run)
         outcome = _observe(kill, run, save_dir, num_rollout)
         outcomes.append(outcome)
@@ -396,7 +416,7 @@ def run_with_kills(
 
     reruns = 0
     while not finished and reruns < max_reruns:
-        run = launch(args, save_dir, timeout=timeout, env=env)
+        run = launch(args, save_dir, timeout=timeout, env=env, nproc=nproc)
         record(run)
         reruns += 1
         say(f"rerun {reruns}: rc {run.returncode} after {run.seconds:.1f}s")

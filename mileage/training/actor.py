@@ -13,6 +13,7 @@ import inspect
 
 import torch
 
+from mileage.distributed import env
 from mileage.faults import fault_point
 from mileage.training.advantages import compute_advantages
 from mileage.training.algo import AlgoConfig, load_custom_loss
@@ -128,8 +129,8 @@ class Actor:
             mask = batch.loss_mask[g_start : g_start + gbs]
             denominator = LossReducer.global_denominator(mask, per_token)
             self.optimizer.zero_grad(set_to_none=True)
-            for m_start in range(g_start, g_start + gbs, mbs):
-                part = batch.slice(m_start, m_start + mbs)
+            for m_start, m_end in env.micro_batches(g_start, gbs, mbs):  # this rank's share
+                part = batch.slice(m_start, m_end)
                 stats = self._accumulate(part, LossReducer(part.loss_mask, per_token, denominator))
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
@@ -148,6 +149,7 @@ class Actor:
             grad_norms.append(float(norm))
             lrs.append(lr)
         self.model.eval()
+        totals = env.sum_over_ranks(totals)
         result = {key: value / len(grad_norms) for key, value in totals.items()}
         result.update(critic_stats)
         result.update(

@@ -1,0 +1,126 @@
+"""Sharding a model with FSDP2, in one place.
+
+As torchtitan does it: `fully_shard` each decoder layer (its parameters are gathered just for its
+own forward and backward, then freed), then the root module (embeddings, final norm, LM head;
+tied embeddings stay one parameter there). Gradients are summed over ranks, not averaged: each
+rank's loss is already divided by the token count of the whole global batch, so the sum is the
+single-process gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mileage.config import option
+from mileage.distributed import env
+from mileage.errors import UserError
+
+
+@dataclass
+class ParallelConfig:
+    fsdp_mixed_precision: str = option(
+        "none",
+        "under torchrun on GPUs: bf16 parameters in forward/backward, fp32 gradient reduction",
+        choices=("none", "bf16"),
+    )
+
+    def validate(self, world_size: int, global_batch: int, micro_batch: int) -> None:
+        if global_batch % world_size:
+            raise UserError(
+                f"the global batch ({global_batch} samples) must split evenly over the "
+                f"{world_size} processes; change --global-batch-size or --nproc-per-node"
+            )
+        per_rank = global_batch // world_size
+        if per_rank % min(micro_batch, per_rank):
+            raise UserError(
+                f"each process trains {per_rank} samples per step, which --micro-batch-size "
+                f"{micro_batch} does not divide"
+            )
+        if self.fsdp_mixed_precision != "none" and (
+            world_size <= 1 or not torch.cuda.is_available()
+        ):
+            raise UserError(
+                "--fsdp-mixed-precision bf16 needs GPUs under torchrun; this run is on CPU"
+                if not torch.cuda.is_available()
+                else "--fsdp-mixed-precision bf16 applies to FSDP, i.e. torchrun with more than one process"
+            )
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face causal LM (`model.model.layers` for Llama-likes)."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        module = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+            if module is None:
+                break
+        if isinstance(module, torch.nn.ModuleList):
+            return list(module)
+    raise UserError(
+        f"cannot find the decoder layers of {type(model).__name__} to shard; "
+        "supported: models with model.layers, transformer.h, gpt_neox.layers or model.decoder.layers"
+    )
+
+
+def shard_model(model: torch.nn.Module, cfg: ParallelConfig) -> torch.nn.Module:
+    """Shard `model` in place over all ranks (FSDP2) and return it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model.to(env.device())
+    kwargs = {}
+    if cfg.fsdp_mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for module in [*decoder_layers(model), model]:  # the root last: it takes what is left
+        fully_shard(module, **kwargs)
+        # a plain SUM reduction (also the only one gloo has): no division, no pre-multiply
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor (a collective), or the tensor itself."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+@torch.no_grad()
+def copy_full_weights(sharded: torch.nn.Module, plain: torch.nn.Module) -> None:
+    """Overwrite `plain`'s parameters and buffers with the full values of `sharded`'s.
+
+    One all-gather per tensor, once per rollout: the generation engine then decodes with the
+    plain copy and needs no communication per token.
+    """
+    targets = dict(plain.named_parameters(remove_duplicate=False))
+    targets.update(dict(plain.named_buffers(remove_duplicate=False)))
+    sources = list(sharded.named_parameters()) + list(sharded.named_buffers())
+    for name, value in sources:
+        targets[name].copy_(full_value(value.detach()))
+
+
+def shard_run_models(
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    cfg: ParallelConfig,
+) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module]:
+    """(sharded policy, sharded reference, plain full copy of the policy for generation).
+
+    The copy is taken before sharding, so it starts with exactly the loaded weights; after
+    each update `copy_full_weights` refreshes it.
+    """
+    import copy
+
+    generation_copy = copy.deepcopy(model).requires_grad_(False).to(env.device())
+    shard_model(model, cfg)
+    if reference is not None:
+        shard_model(reference, cfg)
+    return model, reference, generation_copy

@@ -1,0 +1,72 @@
+"""Generation at world size N: each rank samples its share of the prompts, then all ranks
+gather every completion, so advantages (computed on every rank) see whole groups.
+
+The engine decodes with a plain, unsharded copy of the policy: `update_weights` all-gathers each
+sharded tensor into it once per rollout (`copy_full_weights`), so decoding needs no
+communication per token.
+
+Sampled rollouts are split by group (the `n_samples_per_prompt` answers to one prompt). Each
+group draws from its own generator, seeded by the group's index from the rollout's generator,
+so which rank samples a group does not change its tokens: with the same weights a group's
+samples are the same at any world size > 1. (The single-process engine samples the whole rollout
+as one batch from one generator, which is faster but ties every draw to the batch; that path is
+kept as it was.) Greedy decoding (evaluation) draws nothing, so its rows are split evenly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mileage.distributed import env
+from mileage.distributed.parallelize import copy_full_weights
+from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
+
+
+class ShardedGenerationEngine:
+    """The `Engine` interface over all ranks of the process group, around a `LocalEngine`."""
+
+    in_process = True  # the log-probs come from the trainer's own weights
+
+    def __init__(self, engine: LocalEngine, group_size: int):
+        self.engine = engine  # holds the plain full-weight copy
+        self.group_size = group_size
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def update_weights(self, model: torch.nn.Module, version: int = 0) -> None:
+        copy_full_weights(model, self.engine.model)
+        self.engine.weight_version = version
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed=None,
+        group_size: int = 1,
+    ) -> list[Completion]:
+        """`seed` as for `LocalEngine.generate` (a `SamplingSeed`, a generator or None)."""
+        generator = seed.generator() if hasattr(seed, "generator") else seed
+        if params.greedy or generator is None:
+            mine = env.share(len(prompts))
+            local = self.engine.generate([prompts[i] for i in mine], params, generator)
+        else:
+            local = self._sample_groups(prompts, params, generator)
+        return [c for part in env.all_gather_object(local) for c in part]
+
+    def _sample_groups(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> list[Completion]:
+        size = self.group_size if len(prompts) % self.group_size == 0 else 1
+        groups = len(prompts) // size
+        # every rank draws all group seeds, so a group's seed does not depend on the world size
+        seeds = torch.randint(0, 2**62, (groups,), generator=generator).tolist()
+        local: list[Completion] = []
+        for group in env.share(groups):
+            rows = prompts[group * size : (group + 1) * size]
+            local += self.engine.generate(rows, params, torch.Generator().manual_seed(seeds[group]))
+        return local
