@@ -36,6 +36,9 @@ CRASH = "tests/test_crash_anywhere.py"
 FAULTS = "tests/test_save_faults.py"
 PREEMPT = "tests/test_preemption.py"
 LOSS = "tests/test_loss_reference.py"
+SYNC_FAULT_CHAIN = (
+    "test_a_failed_save_anywhere_in_the_commit_stops_cleanly_and_the_rerun_is_exact[sync]"
+)
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ MUTANTS = [
         "mileage/checkpoint/store.py",
         "        os.rename(staging, target)\n",
         "        write_tracker(save_dir, name)\n        os.rename(staging, target)\n",
-        (FAULTS,),
+        (f"{FAULTS}::{SYNC_FAULT_CHAIN}",),
     ),
     Mutant(
         "leftovers-kept",
@@ -152,7 +155,7 @@ MUTANTS = [
         "mileage/checkpoint/store.py",
         "    if not save_dir.is_dir():\n        return []\n    removed = []",
         "    return []\n    removed = []",
-        (FAULTS,),
+        (f"{FAULTS}::test_the_rerun_removes_and_names_what_a_killed_save_left",),
     ),
     Mutant(
         "failed-save-keeps-staging",
@@ -160,7 +163,7 @@ MUTANTS = [
         "mileage/checkpoint/store.py",
         "    except OSError as exc:\n        shutil.rmtree(staging, ignore_errors=True)\n",
         "    except OSError as exc:\n",
-        (FAULTS,),
+        (f"{FAULTS}::{SYNC_FAULT_CHAIN}",),
     ),
     Mutant(
         "async-save-overlaps",
