@@ -5,16 +5,18 @@ Everything here is plumbing; the algorithm itself reads top to bottom in `loop.p
 
 from __future__ import annotations
 
-import platform
-import socket
-import time
 from dataclasses import dataclass, replace
 
 import torch
-import transformers
 
-import mileage
-from mileage.checkpoint.layout import DirState, architecture, fingerprint
+from mileage.checkpoint.layout import META, DirState
+from mileage.checkpoint.meta import (
+    checkpoint_meta,
+    model_source,
+    recorded_model_dir,
+    recorded_source,
+    selected_checkpoint,
+)
 from mileage.checkpoint.plan import (
     RESUME,
     ResumePlan,
@@ -38,7 +40,13 @@ from mileage.checkpoint.store import (
 from mileage.checkpoint.writer import CheckpointWriter
 from mileage.errors import UserError
 from mileage.metrics import MetricsLog
-from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
+from mileage.models.hf import (
+    empty_causal_lm,
+    load_causal_lm,
+    load_tokenizer,
+    read_config_json,
+    require_chat_template,
+)
 from mileage.models.tiny import (
     build_char_tokenizer,
     builtin_model_dir,
@@ -59,6 +67,25 @@ from mileage.training.optimizer import build_optimizer, build_schedule
 def hf_checkpoint_path(cfg: RunConfig) -> str:
     """--hf-checkpoint, or the built-in model's cache directory (which may not be built yet)."""
     return cfg.checkpoint.hf_checkpoint or str(builtin_model_dir(cfg.data.builtin_task))
+
+
+def with_recorded_model(cfg: RunConfig, log) -> RunConfig:
+    """Raw mode without --hf-checkpoint: the model the --ref-load checkpoint records it came from."""
+    ck = cfg.checkpoint
+    if ck.megatron_to_hf_mode != "raw" or ck.hf_checkpoint or not ck.ref_load:
+        return cfg
+    try:
+        checkpoint = selected_checkpoint(ck.ref_load, ck.ref_ckpt_step, "--ref-ckpt-step")
+    except UserError:
+        return cfg  # plan_start names what is wrong with --ref-load
+    if not (checkpoint / META).is_file():
+        return cfg  # an incomplete checkpoint: plan_start refuses it
+    source = recorded_source(checkpoint)
+    if source and source.get("builtin_task"):
+        log(f"raw mode: architecture and tokenizer of the built-in model (as {checkpoint} records)")
+        return cfg
+    path = recorded_model_dir(checkpoint, log)
+    return replace(cfg, checkpoint=replace(ck, hf_checkpoint=path))
 
 
 def model_config_of(cfg: RunConfig) -> dict:
@@ -87,6 +114,12 @@ def preflight(cfg: RunConfig) -> Preflight:
     eval_prompts = load_eval_prompts(cfg.data)
     reward_fn = build_reward_fn(cfg.reward)
     model_config = model_config_of(cfg)
+    if cfg.data.apply_chat_template:
+        if cfg.checkpoint.hf_checkpoint:
+            tokenizer = load_tokenizer(cfg.checkpoint.hf_checkpoint)
+        else:
+            tokenizer = build_char_tokenizer(builtin_alphabet())
+        require_chat_template(tokenizer, hf_checkpoint_path(cfg))
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:
@@ -111,6 +144,7 @@ class Run:
     writer: CheckpointWriter | None
     metrics: MetricsLog
     model_config: dict
+    model_source: dict  # what meta.json records the run was trained from
 
     @property
     def model(self) -> torch.nn.Module:
@@ -206,6 +240,9 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         writer=writer,
         metrics=MetricsLog(cfg.checkpoint.save, cfg.loop.use_tensorboard),
         model_config=read_config_json(config_dir),
+        model_source=model_source(
+            config_dir, None if cfg.checkpoint.hf_checkpoint else cfg.data.builtin_task
+        ),
     )
 
 
@@ -236,29 +273,9 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
         meta=checkpoint_meta(
             run.model_config,
             rollout_id=rollout_id,
+            source=run.model_source,
             global_step=run.actor.step,
             num_threads=run.cfg.loop.num_threads,
             seed=run.cfg.loop.seed,
         ),
     )
-
-
-def checkpoint_meta(model_config: dict, rollout_id: int | None, **extra) -> dict:
-    meta = {
-        "kind": "iteration" if rollout_id is not None else "release",
-        "rollout_id": rollout_id,
-        "next_rollout_id": None if rollout_id is None else rollout_id + 1,
-        "world_size": 1,
-        "model_config": architecture(model_config),
-        "model_config_fingerprint": fingerprint(model_config),
-        "versions": {
-            "mileage": mileage.__version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
-        "host": socket.gethostname(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    meta.update(extra)
-    return meta

@@ -110,8 +110,6 @@ class RunConfig:
                 "grpo needs --n-samples-per-prompt >= 2 (advantages are relative to the group)"
             )
         self.algo.batch_sizes(r.samples_per_rollout)
-        if self.checkpoint.megatron_to_hf_mode == "raw" and not self.checkpoint.hf_checkpoint:
-            raise UserError("raw mode needs --hf-checkpoint for the architecture and tokenizer")
 
     def num_rollout(self, num_prompts: int) -> int:
         if self.loop.num_rollout is not None:

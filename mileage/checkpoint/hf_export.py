@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mileage.checkpoint.layout import RELEASE, scan_dir
+from mileage.checkpoint.meta import checkpoint_meta, model_source
 from mileage.checkpoint.store import (
     CheckpointState,
     commit_checkpoint,
@@ -50,8 +51,6 @@ def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
 
 def write_release(hf_checkpoint: str | Path, save_dir: str | Path) -> Path:
     """SAVE/release + tracker 'release' from an HF model: weights only, nothing to resume."""
-    from mileage.components import checkpoint_meta
-
     state = scan_dir(save_dir)
     if state.exists and (state.checkpoints or state.tracker.exists):
         raise UserError(
@@ -59,7 +58,7 @@ def write_release(hf_checkpoint: str | Path, save_dir: str | Path) -> Path:
         )
     model = load_causal_lm(hf_checkpoint)
     meta = checkpoint_meta(
-        read_config_json(hf_checkpoint), rollout_id=None, source=str(hf_checkpoint)
+        read_config_json(hf_checkpoint), rollout_id=None, source=model_source(hf_checkpoint, None)
     )
     return commit_checkpoint(
         save_dir, RELEASE, CheckpointState(model=model_tensors(model), meta=meta)

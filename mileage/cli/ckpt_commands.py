@@ -6,8 +6,6 @@ import argparse
 import json
 import sys
 
-from mileage.checkpoint.layout import checkpoint_path, read_tracker
-
 
 def _ls(args: argparse.Namespace) -> int:
     from mileage.checkpoint.inspect import list_checkpoints
@@ -53,15 +51,13 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _export_hf(args: argparse.Namespace) -> int:
     from mileage.checkpoint.hf_export import export_hf
-    from mileage.errors import UserError
+    from mileage.checkpoint.meta import recorded_model_dir, selected_checkpoint
 
-    step = args.ckpt_step
-    if step is None:
-        tracker = read_tracker(args.load)
-        if not tracker.valid:
-            raise UserError(f"{args.load} has no valid tracker; pass --ckpt-step")
-        step = "release" if tracker.release else tracker.iteration
-    out = export_hf(checkpoint_path(args.load, step), args.hf_checkpoint, args.out)
+    checkpoint = selected_checkpoint(args.load, args.ckpt_step, "--ckpt-step")
+    config_dir = args.hf_checkpoint or recorded_model_dir(
+        checkpoint, lambda line: print(line, file=sys.stderr)
+    )
+    out = export_hf(checkpoint, config_dir, args.out)
     print(f"wrote {out}")
     return 0
 
@@ -89,7 +85,9 @@ def register(sub) -> None:
     export.add_argument("--load", required=True)
     export.add_argument("--ckpt-step", type=int)
     export.add_argument(
-        "--hf-checkpoint", required=True, help="config and tokenizer to export with"
+        "--hf-checkpoint",
+        help="config and tokenizer to export with (default: the model the checkpoint records "
+        "it was trained from)",
     )
     export.add_argument("--out", required=True)
     export.set_defaults(func=_export_hf)

@@ -29,10 +29,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from mileage.components import preflight
+    from mileage.components import preflight, with_recorded_model
     from mileage.run_config import RunConfig
 
-    plan = preflight(RunConfig.from_args(args)).plan
+    cfg = with_recorded_model(RunConfig.from_args(args), lambda line: print(line, file=sys.stderr))
+    plan = preflight(cfg).plan
     print(plan.to_json() if args.json else plan.describe())
     return 0
 

@@ -8,16 +8,20 @@ from dataclasses import replace
 from mileage.checkpoint.lock import SaveDirLock
 from mileage.checkpoint.plan import COMPLETE
 from mileage.checkpoint.store import remove_leftovers
-from mileage.components import build_run, preflight
+from mileage.components import build_run, preflight, with_recorded_model
 from mileage.loop import train
 from mileage.progress import RunProgress
 from mileage.run_config import RunConfig
 
 
 def train_command(cfg: RunConfig) -> int:
+    notes: list[str] = []
+    cfg = with_recorded_model(cfg, notes.append)
     pre = preflight(cfg)
     plan = pre.plan
     progress = RunProgress(plan.start_rollout_id, plan.num_rollout)
+    for note in notes:
+        progress.print(note)
     progress.print(plan.describe())
     save = cfg.checkpoint.save
     with SaveDirLock(save) if save else nullcontext() as lock:

@@ -38,6 +38,15 @@ def load_tokenizer(path: str | Path):
         raise UserError(f"cannot load a tokenizer from {path}: {exc}") from None
 
 
+def require_chat_template(tokenizer, source: str) -> None:
+    """--apply-chat-template on a tokenizer without one would fail mid-rollout; refuse up front."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"--apply-chat-template: the tokenizer of {source} has no chat template; "
+            "drop the flag or use a model whose tokenizer defines one"
+        )
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Weights and architecture from an HF directory."""
     try:
