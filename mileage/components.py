@@ -5,7 +5,7 @@ Everything here is plumbing; the algorithm itself reads top to bottom in `loop.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -60,6 +60,7 @@ from mileage.rollout.rollout import PromptEncoder
 from mileage.rollout.tasks import builtin_alphabet
 from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
+from mileage.tracking import build_trackers, check_tracking, new_wandb_run_id
 from mileage.training.actor import Actor
 from mileage.training.optimizer import build_optimizer, build_schedule
 
@@ -113,6 +114,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     prompts = load_train_prompts(cfg.data)
     eval_prompts = load_eval_prompts(cfg.data)
     reward_fn = build_reward_fn(cfg.reward)
+    check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)
     if cfg.data.apply_chat_template:
         if cfg.checkpoint.hf_checkpoint:
@@ -145,6 +147,7 @@ class Run:
     metrics: MetricsLog
     model_config: dict
     model_source: dict  # what meta.json records the run was trained from
+    wandb_run_id: str | None  # kept in the trainer state, so a resumed run continues the W&B run
 
     @property
     def model(self) -> torch.nn.Module:
@@ -212,6 +215,10 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         reference=reference,
     )
     eos = tokenizer.eos_token_id
+    resumed = read_json(plan.weights_from, TRAINER_STATE) if plan.action == RESUME else {}
+    wandb_run_id = resumed.get("tracking", {}).get("wandb_run_id")
+    if wandb_run_id is None and cfg.tracking.use_wandb:
+        wandb_run_id = new_wandb_run_id()
     writer = None
     if cfg.checkpoint.save:
         writer = CheckpointWriter(
@@ -238,11 +245,15 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             cfg.rollout.rollout_top_p,
         ),
         writer=writer,
-        metrics=MetricsLog(cfg.checkpoint.save, cfg.loop.use_tensorboard),
+        metrics=MetricsLog(
+            cfg.checkpoint.save,
+            build_trackers(cfg.tracking, cfg.checkpoint.save, wandb_run_id, asdict(cfg)),
+        ),
         model_config=read_config_json(config_dir),
         model_source=model_source(
             config_dir, None if cfg.checkpoint.hf_checkpoint else cfg.data.builtin_task
         ),
+        wandb_run_id=wandb_run_id,
     )
 
 
@@ -269,7 +280,13 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
         model=model_tensors(run.model),
         optimizer=optimizer_tensors(run.model, run.actor.optimizer),
         rng=rng_tensors,
-        trainer={"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain},
+        trainer={
+            "actor": run.actor.state_dict(),
+            "data": run.data.state_dict(),
+            "rng": rng_plain,
+            # only when there is one: runs without W&B keep byte-identical trainer states
+            **({"tracking": {"wandb_run_id": run.wandb_run_id}} if run.wandb_run_id else {}),
+        },
         meta=checkpoint_meta(
             run.model_config,
             rollout_id=rollout_id,

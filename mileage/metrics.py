@@ -1,7 +1,8 @@
-"""Per-rollout metrics: one JSON object per line in RUN_DIR/metrics.jsonl, optionally TensorBoard.
+"""Per-rollout metrics: one JSON object per line in RUN_DIR/metrics.jsonl, then the trackers.
 
 On resume the log is cut back to the rollouts the checkpoint covers, so a run that was killed
-and restarted ends with exactly one record per rollout, like an uninterrupted run.
+and restarted ends with exactly one record per rollout, like an uninterrupted run. The trackers
+(TensorBoard, W&B: `mileage/tracking.py`) get every record after it is durable in the log.
 """
 
 from __future__ import annotations
@@ -23,22 +24,24 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: str | Path | None, tensorboard: bool = False):
+    def __init__(self, run_dir: str | Path | None, trackers: list | None = None):
         self.path = Path(run_dir) / METRICS_FILE if run_dir else None
-        self.writer = None
-        if tensorboard and run_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self.trackers = trackers or []
 
     def truncate_from(self, rollout_id: int) -> None:
-        """Drop records of rollouts >= `rollout_id` (they will be produced again)."""
+        """Drop records of rollouts >= `rollout_id` (they will be produced again).
+
+        The trackers then get the chance to catch up on the records kept (see tracking.py).
+        """
         if self.path is None or not self.path.is_file():
-            return
-        kept = [r for r in read_metrics(self.path.parent) if r["rollout_id"] < rollout_id]
-        temp = self.path.with_suffix(".tmp")
-        temp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-        os.replace(temp, self.path)
+            kept = []
+        else:
+            kept = [r for r in read_metrics(self.path.parent) if r["rollout_id"] < rollout_id]
+            temp = self.path.with_suffix(".tmp")
+            temp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+            os.replace(temp, self.path)
+        for tracker in self.trackers:
+            tracker.catch_up(kept)
 
     def log(self, record: dict) -> None:
         if self.path is not None:
@@ -47,12 +50,9 @@ class MetricsLog:
                 handle.write(json.dumps(record, sort_keys=True) + "\n")
                 handle.flush()
                 os.fsync(handle.fileno())
-        if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, int | float) and key != "rollout_id":
-                    self.writer.add_scalar(key, value, record["rollout_id"])
-            self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(record)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()

@@ -12,6 +12,7 @@ from mileage.errors import UserError
 from mileage.rollout.data import DataConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
+from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
 from mileage.training.optimizer import OptimConfig
 
@@ -30,7 +31,6 @@ class LoopConfig:
     num_threads: int = option(
         min(2, os.cpu_count() or 1), "torch CPU threads (fixed, so results are reproducible)"
     )
-    use_tensorboard: bool = option(False, "also log metrics to SAVE/tensorboard")
     save_trigger_sentinel: str | None = option(
         None, "if this file exists at the end of a rollout: save, then delete it"
     )
@@ -47,6 +47,7 @@ SECTIONS = (
     ("algo", AlgoConfig, "algorithm"),
     ("optim", OptimConfig, "optimizer"),
     ("loop", LoopConfig, "loop"),
+    ("tracking", TrackingConfig, "tracking"),
 )
 
 
@@ -59,6 +60,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
