@@ -5,6 +5,7 @@ Everything here is plumbing; the algorithm itself reads top to bottom in `loop.p
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -41,6 +42,7 @@ from mileage.checkpoint.writer import CheckpointWriter
 from mileage.errors import UserError
 from mileage.metrics import MetricsLog
 from mileage.models.hf import (
+    check_weight_files,
     empty_causal_lm,
     load_causal_lm,
     load_tokenizer,
@@ -109,18 +111,29 @@ class Preflight:
     reward_fn: RewardFn
 
 
+def require_directories(**paths: str | None) -> None:
+    """Each given path is absent or a directory (a file there is a mistyped flag, not a start)."""
+    for flag, path in paths.items():
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise UserError(f"--{flag.replace('_', '-')} {path} is a file, not a directory")
+
+
 def preflight(cfg: RunConfig) -> Preflight:
     """The plan and its inputs; cheap (reads JSON and directory listings, no tensors)."""
+    ck = cfg.checkpoint
+    require_directories(save=ck.save, load=ck.load, ref_load=ck.ref_load)
     prompts = load_train_prompts(cfg.data)
     eval_prompts = load_eval_prompts(cfg.data)
     reward_fn = build_reward_fn(cfg.reward)
     check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)
+    if cfg.checkpoint.hf_checkpoint:
+        # a broken tokenizer or weight file stops the run here, before anything is written
+        tokenizer = load_tokenizer(cfg.checkpoint.hf_checkpoint)
+        check_weight_files(cfg.checkpoint.hf_checkpoint)
+    else:
+        tokenizer = build_char_tokenizer(builtin_alphabet())
     if cfg.data.apply_chat_template:
-        if cfg.checkpoint.hf_checkpoint:
-            tokenizer = load_tokenizer(cfg.checkpoint.hf_checkpoint)
-        else:
-            tokenizer = build_char_tokenizer(builtin_alphabet())
         require_chat_template(tokenizer, hf_checkpoint_path(cfg))
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     disk = gather_disk_state(flags, model_config)

@@ -11,16 +11,41 @@ import json
 import os
 from pathlib import Path
 
+from mileage.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 # keys that depend on wall-clock time, not on the computation
 TIMING_KEYS = frozenset({"time", "step_time", "gen_time", "train_time", "tokens_per_s"})
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl ([] if absent); one line naming a corrupt record.
+
+    A last line without its newline was being written when the process was killed: the rollout
+    it describes is not checkpointed (the log is written before the save), so it is dropped.
+    """
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is unreadable ({exc})") from None
+    lines = text.split("\n")
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            if lineno == len(lines):
+                break  # torn by a kill mid-write
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("rollout_id"), int):
+            raise UserError(f"{path}:{lineno}: not a mileage metrics record (no rollout_id)")
+        records.append(record)
+    return records
 
 
 class MetricsLog:

@@ -28,8 +28,19 @@ from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, r
 
 
 def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
-    """save_pretrained(model + tokenizer) into `out`, atomically; replaces an existing `out`."""
+    """save_pretrained(model + tokenizer) into `out`, atomically.
+
+    An existing `out` is replaced only if it is an empty directory or an HF model directory:
+    a mistyped path must not cost the user a file or a folder of other things.
+    """
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; choose a directory path to export to")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise UserError(
+            f"{out} is a non-empty directory that is not a Hugging Face model; "
+            "choose a new or empty directory"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -70,6 +81,7 @@ def export_hf(checkpoint: str | Path, hf_checkpoint: str | Path, out: str | Path
     problems = verify_checkpoint(checkpoint)
     if problems:
         raise UserError(f"checkpoint {checkpoint} is not usable: {problems[0]}")
+    tokenizer = load_tokenizer(hf_checkpoint)
     model = empty_causal_lm(hf_checkpoint)
     load_model_weights(checkpoint, model)
-    return write_hf_dir(model, load_tokenizer(hf_checkpoint), out)
+    return write_hf_dir(model, tokenizer, out)

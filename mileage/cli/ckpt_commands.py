@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+
+def _save_dir(path: str) -> str:
+    from mileage.errors import UserError
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{path} is a file, not a save directory")
+    return path
 
 
 def _ls(args: argparse.Namespace) -> int:
     from mileage.checkpoint.inspect import list_checkpoints
 
+    _save_dir(args.dir)
     rows = list_checkpoints(args.dir, digests=True)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -30,6 +40,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from mileage.checkpoint.inspect import verify_save_dir
 
+    _save_dir(args.dir)
     checked, problems = verify_save_dir(args.dir, args.ckpt_step)
     for problem in problems:
         print(f"CORRUPT {problem}", file=sys.stderr)
@@ -42,6 +53,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from mileage.checkpoint.hf_export import write_release
 
+    _save_dir(args.save)
     path = write_release(args.hf_checkpoint, args.save)
     print(
         f"wrote {path} (tracker: release); start from it with --megatron-to-hf-mode raw --ref-load {args.save}"
