@@ -27,13 +27,9 @@ from mileage.errors import UserError
 from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
 
 
-def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
-    """save_pretrained(model + tokenizer) into `out`, atomically.
-
-    An existing `out` is replaced only if it is an empty directory or an HF model directory:
-    a mistyped path must not cost the user a file or a folder of other things.
-    """
-    out = Path(out)
+def check_export_target(out: Path) -> None:
+    """An existing `out` is replaced only if it is an empty directory or an HF model directory:
+    a mistyped path must not cost the user a file or a folder of other things."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file; choose a directory path to export to")
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
@@ -41,6 +37,13 @@ def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
             f"{out} is a non-empty directory that is not a Hugging Face model; "
             "choose a new or empty directory"
         )
+
+
+def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
+    """save_pretrained(model + tokenizer) into `out`, atomically (see `check_export_target`)."""
+    out = Path(out)
+    check_export_target(out)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
