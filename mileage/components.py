@@ -5,16 +5,19 @@ Everything here is plumbing; the algorithm itself reads top to bottom in `loop.p
 
 from __future__ import annotations
 
-import platform
-import socket
-import time
-from dataclasses import dataclass, replace
+import os
+from dataclasses import asdict, dataclass, replace
 
 import torch
-import transformers
 
-import mileage
-from mileage.checkpoint.layout import DirState, architecture, fingerprint
+from mileage.checkpoint.layout import META, DirState
+from mileage.checkpoint.meta import (
+    checkpoint_meta,
+    model_source,
+    recorded_model_dir,
+    recorded_source,
+    selected_checkpoint,
+)
 from mileage.checkpoint.plan import (
     RESUME,
     ResumePlan,
@@ -42,7 +45,14 @@ from mileage.distributed.parallelize import shard_run_models
 from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.errors import UserError
 from mileage.metrics import MetricsLog
-from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
+from mileage.models.hf import (
+    check_weight_files,
+    empty_causal_lm,
+    load_causal_lm,
+    load_tokenizer,
+    read_config_json,
+    require_chat_template,
+)
 from mileage.models.tiny import (
     build_char_tokenizer,
     builtin_model_dir,
@@ -58,6 +68,7 @@ from mileage.rollout.rollout import PromptEncoder
 from mileage.rollout.tasks import builtin_alphabet
 from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
+from mileage.tracking import build_trackers, check_tracking, new_wandb_run_id
 from mileage.training.actor import Actor
 from mileage.training.optimizer import build_optimizer, build_schedule
 
@@ -65,6 +76,25 @@ from mileage.training.optimizer import build_optimizer, build_schedule
 def hf_checkpoint_path(cfg: RunConfig) -> str:
     """--hf-checkpoint, or the built-in model's cache directory (which may not be built yet)."""
     return cfg.checkpoint.hf_checkpoint or str(builtin_model_dir(cfg.data.builtin_task))
+
+
+def with_recorded_model(cfg: RunConfig, log) -> RunConfig:
+    """Raw mode without --hf-checkpoint: the model the --ref-load checkpoint records it came from."""
+    ck = cfg.checkpoint
+    if ck.megatron_to_hf_mode != "raw" or ck.hf_checkpoint or not ck.ref_load:
+        return cfg
+    try:
+        checkpoint = selected_checkpoint(ck.ref_load, ck.ref_ckpt_step, "--ref-ckpt-step")
+    except UserError:
+        return cfg  # plan_start names what is wrong with --ref-load
+    if not (checkpoint / META).is_file():
+        return cfg  # an incomplete checkpoint: plan_start refuses it
+    source = recorded_source(checkpoint)
+    if source and source.get("builtin_task"):
+        log(f"raw mode: architecture and tokenizer of the built-in model (as {checkpoint} records)")
+        return cfg
+    path = recorded_model_dir(checkpoint, log)
+    return replace(cfg, checkpoint=replace(ck, hf_checkpoint=path))
 
 
 def model_config_of(cfg: RunConfig) -> dict:
@@ -87,12 +117,30 @@ class Preflight:
     reward_fn: RewardFn
 
 
+def require_directories(**paths: str | None) -> None:
+    """Each given path is absent or a directory (a file there is a mistyped flag, not a start)."""
+    for flag, path in paths.items():
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise UserError(f"--{flag.replace('_', '-')} {path} is a file, not a directory")
+
+
 def preflight(cfg: RunConfig) -> Preflight:
     """The plan and its inputs; cheap (reads JSON and directory listings, no tensors)."""
+    ck = cfg.checkpoint
+    require_directories(save=ck.save, load=ck.load, ref_load=ck.ref_load)
     prompts = load_train_prompts(cfg.data)
     eval_prompts = load_eval_prompts(cfg.data)
     reward_fn = build_reward_fn(cfg.reward)
+    check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)
+    if cfg.checkpoint.hf_checkpoint:
+        # a broken tokenizer or weight file stops the run here, before anything is written
+        tokenizer = load_tokenizer(cfg.checkpoint.hf_checkpoint)
+        check_weight_files(cfg.checkpoint.hf_checkpoint)
+    else:
+        tokenizer = build_char_tokenizer(builtin_alphabet())
+    if cfg.data.apply_chat_template:
+        require_chat_template(tokenizer, hf_checkpoint_path(cfg))
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     flags = replace(flags, world_size=env.world_size())
     disk = gather_disk_state(flags, model_config)
@@ -118,6 +166,8 @@ class Run:
     writer: CheckpointWriter | None
     metrics: MetricsLog
     model_config: dict
+    model_source: dict  # what meta.json records the run was trained from
+    wandb_run_id: str | None  # kept in the trainer state, so a resumed run continues the W&B run
 
     @property
     def model(self) -> torch.nn.Module:
@@ -193,6 +243,11 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         clip_grad=cfg.optim.clip_grad,
         reference=reference,
     )
+    resumed = read_json(plan.weights_from, TRAINER_STATE) if plan.action == RESUME else {}
+    wandb_run_id = resumed.get("tracking", {}).get("wandb_run_id")
+    if wandb_run_id is None and cfg.tracking.use_wandb:
+        wandb_run_id = new_wandb_run_id()
+    metrics_dir = cfg.checkpoint.save if env.is_main() else None  # rank 0 logs for all
     writer = None
     if cfg.checkpoint.save:
         writer = (ShardedCheckpointWriter if env.is_distributed() else CheckpointWriter)(
@@ -218,9 +273,14 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         ),
         writer=writer,
         metrics=MetricsLog(
-            cfg.checkpoint.save if env.is_main() else None, cfg.loop.use_tensorboard
+            metrics_dir,
+            build_trackers(cfg.tracking, metrics_dir, wandb_run_id, asdict(cfg)),
         ),
         model_config=read_config_json(config_dir),
+        model_source=model_source(
+            config_dir, None if cfg.checkpoint.hf_checkpoint else cfg.data.builtin_task
+        ),
+        wandb_run_id=wandb_run_id,
     )
 
 
@@ -247,33 +307,19 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
         model=model_tensors(run.model),
         optimizer=optimizer_tensors(run.model, run.actor.optimizer),
         rng=rng_tensors,
-        trainer={"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain},
+        trainer={
+            "actor": run.actor.state_dict(),
+            "data": run.data.state_dict(),
+            "rng": rng_plain,
+            # only when there is one: runs without W&B keep byte-identical trainer states
+            **({"tracking": {"wandb_run_id": run.wandb_run_id}} if run.wandb_run_id else {}),
+        },
         meta=checkpoint_meta(
             run.model_config,
             rollout_id=rollout_id,
+            source=run.model_source,
             global_step=run.actor.step,
             num_threads=run.cfg.loop.num_threads,
             seed=run.cfg.loop.seed,
         ),
     )
-
-
-def checkpoint_meta(model_config: dict, rollout_id: int | None, **extra) -> dict:
-    meta = {
-        "kind": "iteration" if rollout_id is not None else "release",
-        "rollout_id": rollout_id,
-        "next_rollout_id": None if rollout_id is None else rollout_id + 1,
-        "world_size": env.world_size(),
-        "model_config": architecture(model_config),
-        "model_config_fingerprint": fingerprint(model_config),
-        "versions": {
-            "mileage": mileage.__version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
-        "host": socket.gethostname(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    meta.update(extra)
-    return meta

@@ -21,9 +21,12 @@ from mileage.rollout.rollout import evaluate, generate_samples, load_samples, sa
 from mileage.training.batch import pack_samples
 
 
-def run_eval(run: Run) -> float | None:
-    if not run.eval_prompts or run.engine is None:
-        return None
+def can_eval(run: Run) -> bool:
+    """Evaluation needs held-out prompts and a generator; without them there is nothing to say."""
+    return bool(run.cfg.loop.eval_interval) and bool(run.eval_prompts) and run.engine is not None
+
+
+def run_eval(run: Run) -> float:
     max_len = run.cfg.rollout.rollout_max_response_len
     return evaluate(run.engine, run.encode, run.eval_prompts, max_len, run.reward_fn)
 
@@ -31,7 +34,7 @@ def run_eval(run: Run) -> float | None:
 def eval_due(run: Run, rollout_id: int) -> bool:
     interval = run.cfg.loop.eval_interval
     last = rollout_id == run.plan.num_rollout - 1
-    return bool(interval) and run.engine is not None and ((rollout_id + 1) % interval == 0 or last)
+    return can_eval(run) and ((rollout_id + 1) % interval == 0 or last)
 
 
 def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
@@ -66,14 +69,8 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
     restore(run, progress.print)
     sync_engine(run)  # a server may hold other weights than the ones just restored
     records = []
-    if (
-        cfg.loop.eval_interval
-        and plan.start_rollout_id == 0
-        and not cfg.loop.skip_eval_before_train
-    ):
-        accuracy = run_eval(run)
-        if accuracy is not None:
-            progress.print(f"eval before training: accuracy {accuracy:.3f}")
+    if can_eval(run) and plan.start_rollout_id == 0 and not cfg.loop.skip_eval_before_train:
+        progress.print(f"eval before training: accuracy {run_eval(run):.3f}")
 
     stop_reason = None
     # under torchrun, the stop and sentinel answers below are agreed by all ranks

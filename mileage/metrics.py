@@ -1,7 +1,8 @@
-"""Per-rollout metrics: one JSON object per line in RUN_DIR/metrics.jsonl, optionally TensorBoard.
+"""Per-rollout metrics: one JSON object per line in RUN_DIR/metrics.jsonl, then the trackers.
 
 On resume the log is cut back to the rollouts the checkpoint covers, so a run that was killed
-and restarted ends with exactly one record per rollout, like an uninterrupted run.
+and restarted ends with exactly one record per rollout, like an uninterrupted run. The trackers
+(TensorBoard, W&B: `mileage/tracking.py`) get every record after it is durable in the log.
 """
 
 from __future__ import annotations
@@ -10,35 +11,62 @@ import json
 import os
 from pathlib import Path
 
+from mileage.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 # keys that depend on wall-clock time, not on the computation
 TIMING_KEYS = frozenset({"time", "step_time", "gen_time", "train_time", "tokens_per_s"})
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl ([] if absent); one line naming a corrupt record.
+
+    A last line without its newline was being written when the process was killed: the rollout
+    it describes is not checkpointed (the log is written before the save), so it is dropped.
+    """
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is unreadable ({exc})") from None
+    lines = text.split("\n")
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            if lineno == len(lines):
+                break  # torn by a kill mid-write
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("rollout_id"), int):
+            raise UserError(f"{path}:{lineno}: not a mileage metrics record (no rollout_id)")
+        records.append(record)
+    return records
 
 
 class MetricsLog:
-    def __init__(self, run_dir: str | Path | None, tensorboard: bool = False):
+    def __init__(self, run_dir: str | Path | None, trackers: list | None = None):
         self.path = Path(run_dir) / METRICS_FILE if run_dir else None
-        self.writer = None
-        if tensorboard and run_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self.trackers = trackers or []
 
     def truncate_from(self, rollout_id: int) -> None:
-        """Drop records of rollouts >= `rollout_id` (they will be produced again)."""
+        """Drop records of rollouts >= `rollout_id` (they will be produced again).
+
+        The trackers then get the chance to catch up on the records kept (see tracking.py).
+        """
         if self.path is None or not self.path.is_file():
-            return
-        kept = [r for r in read_metrics(self.path.parent) if r["rollout_id"] < rollout_id]
-        temp = self.path.with_suffix(".tmp")
-        temp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-        os.replace(temp, self.path)
+            kept = []
+        else:
+            kept = [r for r in read_metrics(self.path.parent) if r["rollout_id"] < rollout_id]
+            temp = self.path.with_suffix(".tmp")
+            temp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+            os.replace(temp, self.path)
+        for tracker in self.trackers:
+            tracker.catch_up(kept)
 
     def log(self, record: dict) -> None:
         if self.path is not None:
@@ -47,12 +75,9 @@ class MetricsLog:
                 handle.write(json.dumps(record, sort_keys=True) + "\n")
                 handle.flush()
                 os.fsync(handle.fileno())
-        if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, int | float) and key != "rollout_id":
-                    self.writer.add_scalar(key, value, record["rollout_id"])
-            self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(record)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()

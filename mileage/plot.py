@@ -23,9 +23,14 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not Path(run_dir).is_dir():
+        raise UserError(f"{run_dir} is not a run directory (--save of `mileage train`)")
     records = read_metrics(run_dir)
     if not records:
         raise UserError(f"no metrics.jsonl records in {run_dir}")
+    out = Path(out) if out else Path(run_dir) / "metrics.png"
+    if out.is_dir() or not out.parent.is_dir():
+        raise UserError(f"--out {out}: give a file path in an existing directory")
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
         points = [(r["rollout_id"], r[key]) for r in records if r.get(key) is not None]
@@ -37,7 +42,6 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(f"mileage run: {Path(run_dir).resolve().name}")
     fig.tight_layout()
-    out = Path(out) if out else Path(run_dir) / "metrics.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -16,6 +16,7 @@ from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.engines.mismatch import MismatchConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
+from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
 from mileage.training.optimizer import OptimConfig
 
@@ -73,7 +74,6 @@ class LoopConfig:
     num_threads: int = option(
         min(2, os.cpu_count() or 1), "torch CPU threads (fixed, so results are reproducible)"
     )
-    use_tensorboard: bool = option(False, "also log metrics to SAVE/tensorboard")
     save_trigger_sentinel: str | None = option(
         None, "if this file exists at the end of a rollout: save, then delete it"
     )
@@ -93,6 +93,7 @@ SECTIONS = (
     ("optim", OptimConfig, "optimizer"),
     ("loop", LoopConfig, "loop"),
     ("parallel", ParallelConfig, "distributed (torchrun)"),
+    ("tracking", TrackingConfig, "tracking"),
 )
 
 
@@ -108,6 +109,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # the DEMO_DEFAULTS this run took (empty unless it is the built-in demo)
     demo_defaults: dict = field(default_factory=dict)
 
@@ -193,8 +195,6 @@ class RunConfig:
             )
         self.engine.validate()
         self.mismatch.validate()
-        if self.checkpoint.megatron_to_hf_mode == "raw" and not self.checkpoint.hf_checkpoint:
-            raise UserError("raw mode needs --hf-checkpoint for the architecture and tokenizer")
 
     def num_rollout(self, num_prompts: int) -> int:
         if self.loop.num_rollout is not None:

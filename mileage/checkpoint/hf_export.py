@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mileage.checkpoint.layout import RELEASE, scan_dir
+from mileage.checkpoint.meta import checkpoint_meta, model_source
 from mileage.checkpoint.store import (
     CheckpointState,
     commit_checkpoint,
@@ -26,9 +27,23 @@ from mileage.errors import UserError
 from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
 
 
+def check_export_target(out: Path) -> None:
+    """An existing `out` is replaced only if it is an empty directory or an HF model directory:
+    a mistyped path must not cost the user a file or a folder of other things."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; choose a directory path to export to")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise UserError(
+            f"{out} is a non-empty directory that is not a Hugging Face model; "
+            "choose a new or empty directory"
+        )
+
+
 def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
-    """save_pretrained(model + tokenizer) into `out`, atomically; replaces an existing `out`."""
+    """save_pretrained(model + tokenizer) into `out`, atomically (see `check_export_target`)."""
     out = Path(out)
+    check_export_target(out)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -50,8 +65,6 @@ def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
 
 def write_release(hf_checkpoint: str | Path, save_dir: str | Path) -> Path:
     """SAVE/release + tracker 'release' from an HF model: weights only, nothing to resume."""
-    from mileage.components import checkpoint_meta
-
     state = scan_dir(save_dir)
     if state.exists and (state.checkpoints or state.tracker.exists):
         raise UserError(
@@ -59,7 +72,7 @@ def write_release(hf_checkpoint: str | Path, save_dir: str | Path) -> Path:
         )
     model = load_causal_lm(hf_checkpoint)
     meta = checkpoint_meta(
-        read_config_json(hf_checkpoint), rollout_id=None, source=str(hf_checkpoint)
+        read_config_json(hf_checkpoint), rollout_id=None, source=model_source(hf_checkpoint, None)
     )
     return commit_checkpoint(
         save_dir, RELEASE, CheckpointState(model=model_tensors(model), meta=meta)
@@ -71,6 +84,7 @@ def export_hf(checkpoint: str | Path, hf_checkpoint: str | Path, out: str | Path
     problems = verify_checkpoint(checkpoint)
     if problems:
         raise UserError(f"checkpoint {checkpoint} is not usable: {problems[0]}")
+    tokenizer = load_tokenizer(hf_checkpoint)
     model = empty_causal_lm(hf_checkpoint)
     load_model_weights(checkpoint, model)
-    return write_hf_dir(model, load_tokenizer(hf_checkpoint), out)
+    return write_hf_dir(model, tokenizer, out)

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from mileage.checkpoint.layout import checkpoint_path, read_tracker
+
+def _save_dir(path: str) -> str:
+    from mileage.errors import UserError
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{path} is a file, not a save directory")
+    return path
 
 
 def _ls(args: argparse.Namespace) -> int:
     from mileage.checkpoint.inspect import list_checkpoints
 
+    _save_dir(args.dir)
     rows = list_checkpoints(args.dir, digests=True)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -32,6 +40,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from mileage.checkpoint.inspect import verify_save_dir
 
+    _save_dir(args.dir)
     checked, problems = verify_save_dir(args.dir, args.ckpt_step)
     for problem in problems:
         print(f"CORRUPT {problem}", file=sys.stderr)
@@ -44,6 +53,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from mileage.checkpoint.hf_export import write_release
 
+    _save_dir(args.save)
     path = write_release(args.hf_checkpoint, args.save)
     print(
         f"wrote {path} (tracker: release); start from it with --megatron-to-hf-mode raw --ref-load {args.save}"
@@ -52,16 +62,17 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from mileage.checkpoint.hf_export import export_hf
-    from mileage.errors import UserError
+    from pathlib import Path
 
-    step = args.ckpt_step
-    if step is None:
-        tracker = read_tracker(args.load)
-        if not tracker.valid:
-            raise UserError(f"{args.load} has no valid tracker; pass --ckpt-step")
-        step = "release" if tracker.release else tracker.iteration
-    out = export_hf(checkpoint_path(args.load, step), args.hf_checkpoint, args.out)
+    from mileage.checkpoint.hf_export import check_export_target, export_hf
+    from mileage.checkpoint.meta import recorded_model_dir, selected_checkpoint
+
+    check_export_target(Path(args.out))
+    checkpoint = selected_checkpoint(args.load, args.ckpt_step, "--ckpt-step")
+    config_dir = args.hf_checkpoint or recorded_model_dir(
+        checkpoint, lambda line: print(line, file=sys.stderr)
+    )
+    out = export_hf(checkpoint, config_dir, args.out)
     print(f"wrote {out}")
     return 0
 
@@ -89,7 +100,9 @@ def register(sub) -> None:
     export.add_argument("--load", required=True)
     export.add_argument("--ckpt-step", type=int)
     export.add_argument(
-        "--hf-checkpoint", required=True, help="config and tokenizer to export with"
+        "--hf-checkpoint",
+        help="config and tokenizer to export with (default: the model the checkpoint records "
+        "it was trained from)",
     )
     export.add_argument("--out", required=True)
     export.set_defaults(func=_export_hf)

@@ -29,10 +29,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from mileage.components import preflight
+    from mileage.components import preflight, with_recorded_model
     from mileage.run_config import RunConfig
 
-    cfg = RunConfig.from_args(args)
+    cfg = with_recorded_model(RunConfig.from_args(args), lambda line: print(line, file=sys.stderr))
     plan = preflight(cfg).plan
     if not args.json and cfg.demo_note():
         print(cfg.demo_note())

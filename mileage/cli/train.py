@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from mileage.checkpoint.plan import COMPLETE
 from mileage.checkpoint.store import remove_leftovers
-from mileage.components import build_run, preflight
+from mileage.components import build_run, preflight, with_recorded_model
 from mileage.distributed import env
 from mileage.distributed.coordination import run_progress, save_dir_lock
 from mileage.loop import train
@@ -20,11 +20,15 @@ def train_command(cfg: RunConfig) -> int:
 
 
 def _train(cfg: RunConfig) -> int:
+    notes: list[str] = []
+    cfg = with_recorded_model(cfg, notes.append)
     pre = preflight(cfg)
     plan = pre.plan
     progress = run_progress(plan.start_rollout_id, plan.num_rollout)
     if cfg.demo_note():
         progress.print(cfg.demo_note())
+    for note in notes:
+        progress.print(note)
     progress.print(plan.describe())
     save = cfg.checkpoint.save
     with save_dir_lock(save) as lock:

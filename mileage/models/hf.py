@@ -20,26 +20,67 @@ hf_logging.disable_progress_bar()
 
 
 def read_config_json(path: str | Path) -> dict:
-    file = Path(path) / "config.json"
+    """config.json of an HF model directory, or one line saying why `path` is not one."""
+    directory = Path(path)
+    if not directory.exists():
+        raise UserError(
+            f"{path} does not exist; --hf-checkpoint must be a Hugging Face model directory"
+        )
+    if not directory.is_dir():
+        raise UserError(f"{path} is a file; --hf-checkpoint must be a Hugging Face model directory")
+    file = directory / "config.json"
     if not file.is_file():
         raise UserError(
             f"{path} has no config.json; --hf-checkpoint must be a Hugging Face model directory"
         )
     try:
-        return json.loads(file.read_text())
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{file} is unreadable ({exc})") from None
+    if not text.strip():
+        raise UserError(f"{file} is empty")
+    try:
+        config = json.loads(text)
     except ValueError as exc:
         raise UserError(f"{file} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise UserError(f'{file} has no "model_type"; it is not a Hugging Face model config')
+    return config
+
+
+def check_weight_files(path: str | Path) -> None:
+    """Every *.safetensors in `path` has a readable header (a truncated copy fails here, not mid-load)."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # SafetensorError, OSError: whatever the reason, it is unusable
+            raise UserError(f"{file} is not a readable safetensors file ({exc})") from None
 
 
 def load_tokenizer(path: str | Path):
+    read_config_json(path)
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load a tokenizer from {path}: {exc}") from None
 
 
+def require_chat_template(tokenizer, source: str) -> None:
+    """--apply-chat-template on a tokenizer without one would fail mid-rollout; refuse up front."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"--apply-chat-template: the tokenizer of {source} has no chat template; "
+            "drop the flag or use a model whose tokenizer defines one"
+        )
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Weights and architecture from an HF directory."""
+    read_config_json(path)
+    check_weight_files(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except (OSError, ValueError) as exc:
@@ -53,7 +94,11 @@ def empty_causal_lm(config_dir: str | Path, dtype: torch.dtype = torch.float32) 
 
     from mileage.seeding import overwritten_allocations
 
-    config = AutoConfig.from_pretrained(str(config_dir))
+    read_config_json(config_dir)
+    try:
+        config = AutoConfig.from_pretrained(str(config_dir))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the model config of {config_dir}: {exc}") from None
     # the weights are loaded over right after: random init (1.5 s on SmolLM2) would be wasted
     with no_init_weights(), overwritten_allocations():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

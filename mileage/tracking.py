@@ -1,0 +1,207 @@
+"""Experiment trackers beside metrics.jsonl: TensorBoard and Weights & Biases (miles' flags).
+
+metrics.jsonl is the record of a run: on resume it is cut back to the checkpoint and the lost
+rollouts are produced again, bit for bit. A tracker cannot un-log, so W&B is made to agree with
+it another way: every record is logged with `step=rollout_id`, and a (resumed) tracker first
+finds the next step W&B does not hold yet, then skips records below it and replays the ones from
+metrics.jsonl that W&B is missing (killed before they reached it). Points a killed process
+logged past its checkpoint stay in W&B; the resumed run reproduces the same values, so they are
+not logged again. Online, W&B itself says the next step of a resumed run (`run.step`); offline,
+it starts every process at 0, so the offline files this run id left in --wandb-dir are read back.
+
+The W&B run id lives in the checkpoint's trainer state, so a resumed run continues the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from mileage.config import option
+from mileage.errors import UserError
+
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_INSTALL_HINT = "pip install 'wandb==0.31.0'"
+
+
+@dataclass
+class TrackingConfig:
+    use_tensorboard: bool = option(False, "also log metrics to SAVE/tensorboard")
+    use_wandb: bool = option(False, f"also log metrics to Weights & Biases ({WANDB_INSTALL_HINT})")
+    wandb_project: str = option("mileage", "W&B project")
+    wandb_group: str | None = option(None, "W&B group")
+    wandb_mode: str = option(
+        "online",
+        "W&B mode (offline needs no network; upload later with `wandb sync`)",
+        choices=WANDB_MODES,
+    )
+    wandb_dir: str | None = option(
+        None, "directory for W&B's local files (default: --save, else the working directory)"
+    )
+
+
+def check_tracking(cfg: TrackingConfig) -> None:
+    """Before anything is written: the tracker packages asked for are installed."""
+    import importlib.util
+
+    if cfg.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError(f"--use-wandb needs the wandb package: {WANDB_INSTALL_HINT}")
+
+
+def new_wandb_run_id() -> str:
+    # from the OS, not from the `random`/torch generators, whose states are checkpointed
+    return secrets.token_hex(4)
+
+
+class TensorBoardTracker:
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+
+    def catch_up(self, records: list[dict]) -> None:
+        """TensorBoard keeps what it logged before a kill; nothing to replay."""
+
+    def log(self, record: dict) -> None:
+        for key, value in scalars(record).items():
+            self.writer.add_scalar(key, value, record["rollout_id"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def scalars(record: dict) -> dict[str, float]:
+    return {
+        key: value
+        for key, value in record.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and key != "rollout_id"
+    }
+
+
+class WandbTracker:
+    """One W&B run per mileage run; each rollout is the point at step `rollout_id`, exactly once."""
+
+    def __init__(self, cfg: TrackingConfig, run_id: str, directory: Path, name: str, config: dict):
+        import wandb
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=cfg.wandb_project,
+            group=cfg.wandb_group,
+            mode=cfg.wandb_mode,
+            dir=str(directory),
+            id=run_id,
+            name=name,
+            resume="allow",
+            config=config,
+            settings=wandb.Settings(
+                console="off", silent=True, x_disable_stats=True, save_code=False
+            ),
+        )
+        self.next_step = 0
+        if cfg.wandb_mode == "online":
+            self.next_step = self.run.step
+        elif cfg.wandb_mode == "offline":
+            own = Path(self.run.dir).parent
+            self.next_step = offline_next_step(directory / "wandb", run_id, exclude=own)
+
+    def catch_up(self, records: list[dict]) -> None:
+        """Log the checkpointed records W&B lacks (their process was killed before it got them)."""
+        for record in records:
+            self.log(record)
+
+    def log(self, record: dict) -> None:
+        if record["rollout_id"] >= self.next_step:
+            self.run.log(scalars(record), step=record["rollout_id"])
+            self.next_step = record["rollout_id"] + 1
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_trackers(
+    cfg: TrackingConfig, save_dir: str | None, wandb_run_id: str | None, config: dict
+) -> list:
+    trackers: list = []
+    if cfg.use_tensorboard and save_dir:
+        trackers.append(TensorBoardTracker(Path(save_dir) / "tensorboard"))
+    if cfg.use_wandb and cfg.wandb_mode != "disabled":
+        directory = Path(cfg.wandb_dir or save_dir or ".")
+        name = Path(save_dir).resolve().name if save_dir else None
+        trackers.append(WandbTracker(cfg, wandb_run_id, directory, name, config))
+    return trackers
+
+
+# --- reading W&B's offline files back ------------------------------------------------------
+# A .wandb file is a 7-byte header (":W&B", magic, version) followed by a LevelDB-style log:
+# 32 KiB blocks of records, each with a 7-byte header (crc32, length, type), where a record
+# that does not fit in a block is split into FIRST/MIDDLE/LAST pieces. The payloads are
+# protobuf `Record` messages of wandb's internal protocol.
+
+_BLOCK = 32768
+_HEADER = 7
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def read_wandb_payloads(path: Path) -> list[bytes]:
+    """The serialized records of one .wandb file, in order; a torn tail (killed writer) is dropped."""
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B transaction log")
+    payloads, pending, pos = [], b"", _HEADER
+    while pos + _HEADER <= len(data):
+        left_in_block = _BLOCK - pos % _BLOCK
+        if left_in_block < _HEADER:
+            pos += left_in_block  # zero padding at the end of a block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        chunk = data[pos + _HEADER : pos + _HEADER + length]
+        if kind == 0 or len(chunk) < length:
+            break  # unwritten or torn
+        pos += _HEADER + length
+        if kind == _FULL:
+            payloads.append(chunk)
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            payloads.append(pending + chunk)
+    return payloads
+
+
+def read_wandb_history(path: Path) -> list[tuple[int, dict]]:
+    """(step, {key: value}) for every history row in one .wandb file, in the order logged."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for payload in read_wandb_payloads(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") != "history":
+            continue
+        items = {
+            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for item in record.history.item
+        }
+        rows.append((record.history.step.num, items))
+    return rows
+
+
+def offline_run_files(wandb_root: Path, run_id: str) -> list[Path]:
+    """The .wandb files of every offline process of run `run_id`, oldest first."""
+    return sorted(wandb_root.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+
+
+def offline_next_step(wandb_root: Path, run_id: str, exclude: Path | None = None) -> int:
+    steps = [
+        step
+        for file in offline_run_files(wandb_root, run_id)
+        if exclude is None or file.parent != exclude
+        for step, _ in read_wandb_history(file)
+    ]
+    return max(steps) + 1 if steps else 0
