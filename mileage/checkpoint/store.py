@@ -140,12 +140,15 @@ def write_tracker(save_dir: str | Path, value: int | str) -> None:
     """Atomically point the tracker at `value` (temp file, fsync, rename, fsync directory)."""
     save_dir = Path(save_dir)
     temp = save_dir / f".{TRACKER}.tmp-{os.getpid()}"
-    with open(temp, "w", encoding="utf-8") as handle:
-        handle.write(f"{value}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    fault_point("tracker_before_replace", save_dir)
-    os.replace(temp, save_dir / TRACKER)
+    try:
+        with open(temp, "w", encoding="utf-8") as handle:
+            handle.write(f"{value}\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        fault_point("tracker_before_replace", save_dir)
+        os.replace(temp, save_dir / TRACKER)
+    finally:
+        temp.unlink(missing_ok=True)  # a failed write leaves no temp file behind
     fsync_path(save_dir)
 
 
@@ -286,6 +289,7 @@ def commit_checkpoint(
     target = checkpoint_path(save_dir, name)
     tensors_written = staging is not None
     staging = staging or staging_path(save_dir, name)
+    superseded = None
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
         staging.mkdir(exist_ok=tensors_written)
@@ -294,7 +298,8 @@ def commit_checkpoint(
         if target.exists():
             # a complete checkpoint the tracker does not name (e.g. a kill between rename and
             # tracker); it is superseded by this one
-            os.rename(target, save_dir / f"{STAGING_PREFIX}old-{target.name}-{time.monotonic_ns()}")
+            superseded = save_dir / f"{STAGING_PREFIX}old-{target.name}-{time.monotonic_ns()}"
+            os.rename(target, superseded)
         os.rename(staging, target)
         fault_point("commit_after_rename", save_dir)
         fsync_path(save_dir)
@@ -303,6 +308,8 @@ def commit_checkpoint(
         fault_point("commit_after_tracker", save_dir)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if superseded is not None:  # never tracked, and this save replaced it or failed
+            shutil.rmtree(superseded, ignore_errors=True)
         where = exc.filename or save_dir
         if read_tracker(save_dir).raw.strip() == str(name):
             # the failure came after the tracker moved (syncing SAVE): the new checkpoint is it
