@@ -45,7 +45,13 @@ from mileage.models.tiny import (
     ensure_builtin_model,
     tiny_llama_config,
 )
-from mileage.rollout.data import Prompt, PromptSource, load_eval_prompts, load_train_prompts
+from mileage.rollout.data import (
+    Prompt,
+    PromptSource,
+    load_eval_prompts,
+    load_train_prompts,
+    task_reward,
+)
 from mileage.rollout.engine import LocalEngine, SamplingParams
 from mileage.rollout.rewards import RewardFn, build_reward_fn
 from mileage.rollout.rollout import PromptEncoder
@@ -85,7 +91,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     """The plan and its inputs; cheap (reads JSON and directory listings, no tensors)."""
     prompts = load_train_prompts(cfg.data)
     eval_prompts = load_eval_prompts(cfg.data)
-    reward_fn = build_reward_fn(cfg.reward)
+    reward_fn = build_reward_fn(cfg.reward, task_reward(cfg.data))
     model_config = model_config_of(cfg)
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     disk = gather_disk_state(flags, model_config)
