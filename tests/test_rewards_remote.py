@@ -10,11 +10,11 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from conftest import fast_train_args
 
 from mileage.checkpoint.inspect import list_checkpoints
 from mileage.errors import UserError
 from mileage.rollout.rewards import RewardConfig, build_reward_fn, score_all
-from tests.conftest import fast_train_args
 
 
 class RewardServer:
