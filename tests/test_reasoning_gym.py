@@ -99,7 +99,7 @@ def test_held_out_split_is_disjoint_and_scored_by_the_task():
     padded = f"it is {item.label}"
     assert reward(item.text, padded, item.label) == pytest.approx(len(item.label) / len(padded))
     assert reward(item.text, "nothing", item.label) == 0.0
-    with pytest.raises(UserError, match="not from its task"):
+    with pytest.raises(UserError, match="can only grade prompts of its gym: task"):
         reward("a prompt from elsewhere", "1", "1")
     assert task_reward(DataConfig()) is None
 

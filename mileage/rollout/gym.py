@@ -149,6 +149,9 @@ class GymScorer:
     def __call__(self, prompt: str, response: str, label: str) -> float:
         found = self._entries.get((prompt, label))
         if found is None:
-            raise UserError("the reasoning-gym scorer got a prompt that is not from its task")
+            raise UserError(
+                "the reasoning-gym scorer can only grade prompts of its gym: task; set --rm-type "
+                "to grade other prompt data"
+            )
         dataset, entry = found
         return float(dataset.score_answer(extract_answer(response), entry))
