@@ -125,3 +125,10 @@ def test_remote_needs_a_url():
 def test_helpers():
     assert last_boxed("\\boxed{{3}}") == "{3}" and last_boxed("\\boxed{unclosed") is None
     assert normalize_final_answer("x = \\text{5 units}") == "5"
+
+
+def test_math_works_off_the_main_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(reward, "math", "\\boxed{\\frac{1}{2}}", "0.5").result() == 1.0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import string
+import threading
 from collections import Counter
 
 
@@ -51,9 +52,12 @@ def answers_equivalent(given: str, reference: str) -> bool:
         return True
     from math_verify import parse, verify
 
+    # math-verify bounds its work with SIGALRM, which only the main thread may set
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
     # inside \boxed{} math-verify reads LaTeX and plain expressions alike ("1/2", "\frac12")
-    gold, target = parse(f"\\boxed{{{reference}}}"), parse(f"\\boxed{{{given}}}")
-    return bool(gold and target and verify(gold, target))
+    gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=limit)
+    target = parse(f"\\boxed{{{given}}}", parsing_timeout=limit)
+    return bool(gold and target and verify(gold, target, timeout_seconds=limit))
 
 
 def grade_answer(answer: str, label: str) -> float:
