@@ -59,7 +59,13 @@ from mileage.models.tiny import (
     ensure_builtin_model,
     tiny_llama_config,
 )
-from mileage.rollout.data import Prompt, PromptSource, load_eval_prompts, load_train_prompts
+from mileage.rollout.data import (
+    Prompt,
+    PromptSource,
+    load_eval_prompts,
+    load_train_prompts,
+    task_reward,
+)
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.factory import build_engine
@@ -130,7 +136,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     require_directories(save=ck.save, load=ck.load, ref_load=ck.ref_load)
     prompts = load_train_prompts(cfg.data)
     eval_prompts = load_eval_prompts(cfg.data)
-    reward_fn = build_reward_fn(cfg.reward)
+    reward_fn = build_reward_fn(cfg.reward, task_reward(cfg.data))
     check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)
     if cfg.checkpoint.hf_checkpoint:

@@ -1,4 +1,4 @@
-"""Reward parsing, custom reward loading, prompt files, and data-order determinism."""
+"""Custom reward loading, prompt files (JSONL, Parquet), and data-order determinism."""
 
 from __future__ import annotations
 
@@ -7,38 +7,10 @@ import json
 import pytest
 
 from mileage.errors import UserError
-from mileage.rollout.data import Prompt, PromptSource, load_jsonl
-from mileage.rollout.rewards import (
-    RewardConfig,
-    build_reward_fn,
-    exact_reward,
-    load_custom_reward,
-    math_reward,
-    parse_number,
-    score_all,
-)
+from mileage.rollout.data import Prompt, PromptSource, load_jsonl, load_prompts
+from mileage.rollout.rewards import RewardConfig, build_reward_fn, load_custom_reward, score_all
+from mileage.rollout.rewards.rules import exact_reward
 from mileage.rollout.tasks import builtin_task
-
-
-@pytest.mark.parametrize(
-    ("response", "label", "reward"),
-    [
-        ("The answer is \\boxed{42}.", "42", 1.0),
-        ("so \\boxed{\\frac{1}{2}} hmm \\boxed{7}", "7", 1.0),  # the last box wins
-        ("first 3 then 12", "12", 1.0),  # no box: the last number
-        ("1,234 apples", "1234", 1.0),
-        ("0.50", "1/2", 1.0),
-        ("-3", "3", 0.0),
-        ("no number here", "5", 0.0),
-        ("\\boxed{12} and then 13", "12", 1.0),  # a box beats a later bare number
-    ],
-)
-def test_math_reward(response, label, reward):
-    assert math_reward("", response, label) == reward
-
-
-def test_parse_number_nested_braces():
-    assert parse_number("\\boxed{{3}}") == 3
 
 
 def test_exact_reward_strips_whitespace_only():
@@ -75,6 +47,47 @@ def test_jsonl_keys_and_errors(tmp_path):
     bad.write_text('{"q": 1, "a": 2}\n{oops\n')
     with pytest.raises(UserError, match="bad.jsonl:2: not valid JSON"):
         load_jsonl(str(bad), "q", "a")
+
+
+def test_parquet_prompts_and_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"q": ["1+1", "2+2"], "a": [2, 4], "other": ["x", "y"]}), good)
+    assert load_prompts(str(good), "q", "a") == [Prompt(0, "1+1", "2"), Prompt(1, "2+2", "4")]
+    with pytest.raises(UserError, match=r"d.parquet: missing column 'prompt' .*columns: q, a"):
+        load_prompts(str(good), "prompt", "a")
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(
+        pa.table({"q": pa.array([], pa.string()), "a": pa.array([], pa.string())}), empty
+    )
+    with pytest.raises(UserError, match="prompt file is empty"):
+        load_prompts(str(empty), "q", "a")
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(UserError, match="corrupt.parquet: not a readable Parquet file"):
+        load_prompts(str(corrupt), "q", "a")
+    with pytest.raises(UserError, match="prompt file not found"):
+        load_prompts(str(tmp_path / "nope.parquet"), "q", "a")
+
+
+def test_parquet_error_is_one_line_on_the_cli(tmp_path, cli):
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet at all")
+    result = cli("plan", "--prompt-data", bad)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("mileage: error: ") and result.stderr.count("\n") == 1
+    assert "not a readable Parquet file" in result.stderr
+
+
+def test_data_position_for_other_content_of_the_same_size_is_refused():
+    source = PromptSource(prompts(8), False, seed=0)
+    other = [Prompt(i, f"other {i}", str(i)) for i in range(8)]
+    with pytest.raises(UserError, match="other prompts"):
+        PromptSource(other, False, seed=0).load_state_dict(source.state_dict())
+    legacy = {k: v for k, v in source.state_dict().items() if k != "digest"}
+    PromptSource(other, False, seed=0).load_state_dict(legacy)  # older checkpoints: size only
 
 
 def prompts(n: int) -> list[Prompt]:

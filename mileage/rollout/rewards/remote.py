@@ -1,0 +1,105 @@
+"""`remote_rm`: POST each sample to an HTTP reward server, as miles does.
+
+The request body is the JSON object `{"prompt": ..., "response": ..., "label": ...}`; the answer
+must be a JSON number (miles uses the decoded body as the reward), or an object with a numeric
+`"reward"`. A whole rollout is scored concurrently. A connection error, a timeout, a 5xx or 429
+status or an answer that is not a finite number is retried with a short exponential backoff; when
+the attempts are used up the run stops with one line naming the server and the last failure.
+That happens while scoring, before the rollout trains or saves anything, so the last checkpoint
+stays as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from mileage.errors import UserError
+
+BACKOFF_BASE_S = 0.2
+BACKOFF_MAX_S = 5.0
+
+
+class RewardServerError(Exception):
+    """One failed attempt; `retry` says whether another attempt could help."""
+
+    def __init__(self, message: str, retry: bool = True):
+        super().__init__(message)
+        self.retry = retry
+
+
+def parse_reward(body: bytes) -> float:
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise RewardServerError(f"answered {body[:60]!r}, not JSON") from None
+    if isinstance(value, dict) and "reward" in value:
+        value = value["reward"]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RewardServerError(f"answered {json.dumps(value)[:60]}, not a finite number")
+    return float(value)
+
+
+class RemoteReward:
+    """Reward function that asks `url`; `score_batch` scores many samples at once."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float,
+        retries: int,
+        concurrency: int,
+        transform=lambda response: response,
+    ):
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"--rm-url must be an http:// or https:// URL, got {url!r}")
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
+        self.concurrency = concurrency
+        self.transform = transform  # the boxed_ prefix sends only the boxed answer
+
+    def _attempt(self, payload: bytes) -> float:
+        request = urllib.request.Request(
+            self.url, data=payload, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                return parse_reward(answer.read())
+        except urllib.error.HTTPError as exc:
+            retry = exc.code >= 500 or exc.code == 429
+            raise RewardServerError(f"answered HTTP {exc.code} {exc.reason}", retry) from None
+        except TimeoutError:
+            raise RewardServerError(f"did not answer within {self.timeout_s:g}s") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, TimeoutError):
+                raise RewardServerError(f"did not answer within {self.timeout_s:g}s") from None
+            raise RewardServerError(f"unreachable ({reason})") from None
+
+    def __call__(self, prompt: str, response: str, label: str) -> float:
+        payload = json.dumps(
+            {"prompt": prompt, "response": self.transform(response), "label": label}
+        ).encode()
+        for attempt in range(self.retries + 1):
+            try:
+                return self._attempt(payload)
+            except RewardServerError as exc:
+                if not exc.retry or attempt == self.retries:
+                    raise UserError(
+                        f"reward server {self.url} {exc} (attempt {attempt + 1} of "
+                        f"{self.retries + 1}; see --rm-timeout, --rm-retries); the last "
+                        "checkpoint is unchanged"
+                    ) from None
+                time.sleep(min(BACKOFF_BASE_S * 2**attempt, BACKOFF_MAX_S))
+        raise AssertionError("unreachable")
+
+    def score_batch(self, items: list[tuple[str, str, str]]) -> list[float]:
+        pool = ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(items))))
+        try:
+            return list(pool.map(lambda item: self(*item), items))
+        finally:
+            # after a failure, samples not yet sent are dropped rather than retried one by one
+            pool.shutdown(wait=True, cancel_futures=True)
