@@ -237,12 +237,17 @@ def plant(root: Path, mutant: Mutant) -> None:
     path.write_text(text.replace(mutant.find, mutant.replace))
 
 
-def run_mutant(mutant: Mutant, home: str, timeout: float) -> tuple[Mutant, str, list[str], float]:
+def run_mutant(
+    mutant: Mutant | None, home: str, timeout: float, tests: tuple[str, ...] = ()
+) -> tuple[Mutant | None, str, list[str], float]:
+    """Run `mutant.tests` (or `tests`, for the baseline: mutant None) against a scratch copy."""
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as scratch:
+    name = mutant.name if mutant else "baseline"
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as scratch:
         root = Path(scratch)
         scratch_copy(root)
-        plant(root, mutant)
+        if mutant is not None:
+            plant(root, mutant)
         env = {
             **os.environ,
             "PYTHONPATH": str(root),
@@ -252,7 +257,7 @@ def run_mutant(mutant: Mutant, home: str, timeout: float) -> tuple[Mutant, str, 
         command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
         try:
             done = subprocess.run(
-                [*command, *mutant.tests],
+                [*command, *(mutant.tests if mutant else tests)],
                 cwd=root,
                 env=env,
                 capture_output=True,
@@ -295,12 +300,22 @@ def main() -> int:
         "--home", default=os.environ.get("MILEAGE_TEST_HOME") or tempfile.mkdtemp(),
         help="MILEAGE_HOME shared by the runs, so the built-in model is built once",
     )  # fmt: skip
+    parser.add_argument(
+        "--skip-baseline", action="store_true", help="do not first run the tests unmutated"
+    )
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
         raise SystemExit(f"unknown mutants: {', '.join(sorted(unknown))}")
     started = time.monotonic()
+    if not args.skip_baseline:
+        # a test that fails without any mutant would make every mutant look caught
+        selected = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        _, verdict, failures, seconds = run_mutant(None, args.home, args.timeout, selected)
+        print(f"baseline (no mutant): {len(selected)} selections in {seconds:.0f}s")
+        if verdict != "SURVIVED":  # "survived" = every selected test passed
+            raise SystemExit(f"the tests fail without a mutant ({verdict}): {', '.join(failures)}")
     rows = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for row in pool.map(lambda m: run_mutant(m, args.home, args.timeout), chosen):
