@@ -55,6 +55,7 @@ from mileage.rollout.tasks import builtin_alphabet
 from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
 from mileage.training.actor import Actor
+from mileage.training.critic import build_critic, critic_checkpoint_state, restore_critic
 from mileage.training.optimizer import build_optimizer, build_schedule
 
 
@@ -90,6 +91,8 @@ def preflight(cfg: RunConfig) -> Preflight:
     reward_fn = build_reward_fn(cfg.reward)
     model_config = model_config_of(cfg)
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
+    ppo = cfg.algo.advantage_estimator == "ppo"
+    flags = replace(flags, critic=ppo, critic_load=cfg.critic.critic_load)
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:
         # the built-in model is built on first use; plan as if it were there
@@ -169,6 +172,20 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         cfg.rollout.samples_per_rollout // cfg.algo.batch_sizes(cfg.rollout.samples_per_rollout)[0]
     )
     schedule = build_schedule(cfg.optim, plan.num_rollout * steps_per_rollout)
+    critic = None
+    if plan.critic:
+        critic = build_critic(
+            cfg.critic,
+            cfg.optim,
+            cfg.algo,
+            model,
+            plan.critic_from,
+            config_dir,
+            cfg.loop.seed,
+            plan.num_rollout * steps_per_rollout,
+            cfg.optim.clip_grad,
+        )
+        log(f"critic: {plan.critic_from or 'the actor weights'} + value head")
     actor = Actor(
         model,
         optimizer,
@@ -178,6 +195,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         group_size=cfg.rollout.n_samples_per_prompt,
         clip_grad=cfg.optim.clip_grad,
         reference=reference,
+        critic=critic,
     )
     eos = tokenizer.eos_token_id
     writer = None
@@ -219,6 +237,8 @@ def restore(run: Run, log) -> None:
         return
     trainer = read_json(plan.weights_from, TRAINER_STATE)
     run.actor.load_state_dict(trainer["actor"])
+    if plan.critic_state:
+        restore_critic(run.actor.critic, plan.weights_from, trainer["critic"], plan.load_optimizer)
     if plan.load_optimizer:
         load_optimizer_tensors(plan.weights_from, run.model, run.actor.optimizer)
     if plan.load_rng:
@@ -230,11 +250,19 @@ def restore(run: Run, log) -> None:
 
 def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
     rng_tensors, rng_plain = capture_rng_state()
+    trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain}
+    critic = None
+    if run.actor.critic is not None:
+        trainer["critic"] = run.actor.critic.state_dict()
+        critic = critic_checkpoint_state(
+            run.actor.critic,
+            checkpoint_meta(run.model_config, rollout_id, global_step=run.actor.critic.step),
+        )
     return CheckpointState(
         model=model_tensors(run.model),
         optimizer=optimizer_tensors(run.model, run.actor.optimizer),
         rng=rng_tensors,
-        trainer={"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain},
+        trainer=trainer,
         meta=checkpoint_meta(
             run.model_config,
             rollout_id=rollout_id,
@@ -242,6 +270,7 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             num_threads=run.cfg.loop.num_threads,
             seed=run.cfg.loop.seed,
         ),
+        critic=critic,
     )
 
 

@@ -15,6 +15,7 @@ from mileage.rollout.engines.mismatch import MismatchConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
 from mileage.training.actor import AlgoConfig
+from mileage.training.critic import CriticConfig
 from mileage.training.optimizer import OptimConfig
 
 DEFAULT_NUM_ROLLOUT = 150
@@ -88,6 +89,7 @@ SECTIONS = (
     ("mismatch", MismatchConfig, "engine/trainer log-prob mismatch"),
     ("reward", RewardConfig, "reward"),
     ("algo", AlgoConfig, "algorithm"),
+    ("critic", CriticConfig, "PPO critic"),
     ("optim", OptimConfig, "optimizer"),
     ("loop", LoopConfig, "loop"),
 )
@@ -102,6 +104,7 @@ class RunConfig:
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     # the DEMO_DEFAULTS this run took (empty unless it is the built-in demo)
@@ -181,6 +184,7 @@ class RunConfig:
         if not 0.0 < r.rollout_top_p <= 1.0:
             raise UserError(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p}")
         self.algo.validate(r.n_samples_per_prompt)
+        self.critic.validate(self.algo.advantage_estimator)
         self.algo.batch_sizes(r.samples_per_rollout)
         self.engine.validate()
         self.mismatch.validate()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from mileage.errors import UserError
 from mileage.training.critic import Critic, CriticConfig, ValueModel, sequence_values
 from mileage.training.optimizer import LRSchedule
 
@@ -39,10 +41,14 @@ def test_value_model_is_the_actor_body_with_a_reproducible_fresh_head(tiny_hf):
     assert sequence_values(a, part).shape == part.loss_mask.shape
 
 
-def test_critic_save_defaults_to_a_sibling_of_save():
-    assert CriticConfig().save_dir("/runs/x/") == "/runs/x_critic"
-    assert CriticConfig(critic_save="/c").save_dir("/runs/x") == "/c"
-    assert CriticConfig().save_dir(None) is None
+def test_critic_flags_are_refused_where_they_would_do_nothing():
+    with pytest.raises(UserError, match="--critic-save is not supported: mileage saves the critic"):
+        CriticConfig(critic_save="/c").validate("ppo")
+    with pytest.raises(UserError, match="--critic-lr, --num-critic-only-steps configure the PPO"):
+        CriticConfig(critic_lr=1e-3, num_critic_only_steps=2).validate("grpo")
+    with pytest.raises(UserError, match="--num-critic-only-steps must be >= 0, got -1"):
+        CriticConfig(num_critic_only_steps=-1).validate("ppo")
+    CriticConfig(critic_load="/x", critic_lr=1e-3, num_critic_only_steps=2).validate("ppo")
 
 
 def test_critic_training_fits_the_returns(tiny_hf):
