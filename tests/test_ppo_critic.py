@@ -107,3 +107,23 @@ def test_actor_with_critic_uses_gae_and_waits_for_the_critic_warmup(tiny_hf):
     assert critic.step == 1 and "value_loss" in stats
     actor.train_rollout(_batch())
     assert not torch.equal(weights(model), before) and actor.step == 1 and critic.step == 2
+
+
+def test_build_critic_copies_the_actor_and_takes_the_critic_flags(tiny_hf):
+    from transformers import AutoModelForCausalLM
+
+    from mileage.training.algo import AlgoConfig
+    from mileage.training.critic import build_critic
+    from mileage.training.optimizer import OptimConfig
+
+    actor = AutoModelForCausalLM.from_pretrained(tiny_hf)
+    cfg = CriticConfig(critic_lr=3e-3, num_critic_only_steps=2)
+    algo = AlgoConfig(advantage_estimator="ppo", value_clip=0.5)
+    critic = build_critic(cfg, OptimConfig(lr=1e-5), algo, actor, None, str(tiny_hf), 7, 10, 0.5)
+    for name, tensor in actor.model.state_dict().items():
+        value = critic.model.body.state_dict()[name]
+        assert torch.equal(value, tensor) and value.data_ptr() != tensor.data_ptr()
+    assert critic.optimizer.param_groups[0]["lr"] == 3e-3 and critic.schedule.peak == 3e-3
+    assert critic.critic_only_rollouts == 2 and critic.value_clip == 0.5 and critic.clip_grad == 0.5
+    default_lr = build_critic(CriticConfig(), OptimConfig(lr=1e-5), algo, actor, None, "", 7, 10, 1)
+    assert default_lr.schedule.peak == 1e-5
