@@ -127,3 +127,28 @@ def test_build_critic_copies_the_actor_and_takes_the_critic_flags(tiny_hf):
     assert critic.critic_only_rollouts == 2 and critic.value_clip == 0.5 and critic.clip_grad == 0.5
     default_lr = build_critic(CriticConfig(), OptimConfig(lr=1e-5), algo, actor, None, "", 7, 10, 1)
     assert default_lr.schedule.peak == 1e-5
+
+
+def test_async_snapshot_copies_the_critic_too():
+    """--async-save writes a copy made at save time: the critic's tensors must be in it, as
+    copies (training goes on and changes the live ones), reusing the previous snapshot's buffers."""
+    from mileage.checkpoint.store import CheckpointState
+
+    def state(value: float) -> CheckpointState:
+        critic = CheckpointState(
+            model={"value_head.weight": torch.full((1, 2), value)},
+            meta={"rollout_id": 3},
+            optimizer={"value_head.weight.exp_avg": torch.full((1, 2), -value)},
+        )
+        return CheckpointState(model={"w": torch.zeros(2)}, meta={}, critic=critic)
+
+    live = state(1.0)
+    first = live.copied()
+    live.critic.model["value_head.weight"].add_(5.0)
+    assert torch.equal(first.critic.model["value_head.weight"], torch.ones(1, 2))
+    assert torch.equal(first.critic.optimizer["value_head.weight.exp_avg"], -torch.ones(1, 2))
+    assert first.critic.meta == {"rollout_id": 3}
+    second = state(2.0).copied(reuse=first)
+    buffer = second.critic.model["value_head.weight"]
+    assert buffer.data_ptr() == first.critic.model["value_head.weight"].data_ptr()
+    assert torch.equal(buffer, torch.full((1, 2), 2.0))
