@@ -76,6 +76,7 @@ from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
 from mileage.tracking import build_trackers, check_tracking, new_wandb_run_id
 from mileage.training.actor import Actor
+from mileage.training.critic import build_critic, critic_checkpoint_state, restore_critic
 from mileage.training.optimizer import build_optimizer, build_schedule
 
 
@@ -148,7 +149,10 @@ def preflight(cfg: RunConfig) -> Preflight:
     if cfg.data.apply_chat_template:
         require_chat_template(tokenizer, hf_checkpoint_path(cfg))
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
-    flags = replace(flags, world_size=env.world_size())
+    ppo = cfg.algo.advantage_estimator == "ppo"
+    flags = replace(
+        flags, world_size=env.world_size(), critic=ppo, critic_load=cfg.critic.critic_load
+    )
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:
         # the built-in model is built on first use; plan as if it were there
@@ -239,6 +243,20 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         cfg.rollout.samples_per_rollout // cfg.algo.batch_sizes(cfg.rollout.samples_per_rollout)[0]
     )
     schedule = build_schedule(cfg.optim, plan.num_rollout * steps_per_rollout)
+    critic = None
+    if plan.critic:
+        critic = build_critic(
+            cfg.critic,
+            cfg.optim,
+            cfg.algo,
+            model,
+            plan.critic_from,
+            config_dir,
+            cfg.loop.seed,
+            plan.num_rollout * steps_per_rollout,
+            cfg.optim.clip_grad,
+        )
+        log(f"critic: {plan.critic_from or 'the actor weights'} + value head")
     actor = Actor(
         model,
         optimizer,
@@ -248,6 +266,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         group_size=cfg.rollout.n_samples_per_prompt,
         clip_grad=cfg.optim.clip_grad,
         reference=reference,
+        critic=critic,
     )
     resumed = read_json(plan.weights_from, TRAINER_STATE) if plan.action == RESUME else {}
     wandb_run_id = resumed.get("tracking", {}).get("wandb_run_id")
@@ -298,6 +317,8 @@ def restore(run: Run, log) -> None:
         return
     trainer = read_json(plan.weights_from, TRAINER_STATE)
     run.actor.load_state_dict(trainer["actor"])
+    if plan.critic_state:
+        restore_critic(run.actor.critic, plan.weights_from, trainer["critic"], plan.load_optimizer)
     if plan.load_optimizer:
         load_optimizer_tensors(plan.weights_from, run.model, run.actor.optimizer)
     if plan.load_rng:
@@ -309,17 +330,21 @@ def restore(run: Run, log) -> None:
 
 def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
     rng_tensors, rng_plain = capture_rng_state()
+    trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain}
+    if run.wandb_run_id:  # only then: runs without W&B keep byte-identical trainer states
+        trainer["tracking"] = {"wandb_run_id": run.wandb_run_id}
+    critic = None
+    if run.actor.critic is not None:
+        trainer["critic"] = run.actor.critic.state_dict()
+        critic = critic_checkpoint_state(
+            run.actor.critic,
+            checkpoint_meta(run.model_config, rollout_id, global_step=run.actor.critic.step),
+        )
     return CheckpointState(
         model=model_tensors(run.model),
         optimizer=optimizer_tensors(run.model, run.actor.optimizer),
         rng=rng_tensors,
-        trainer={
-            "actor": run.actor.state_dict(),
-            "data": run.data.state_dict(),
-            "rng": rng_plain,
-            # only when there is one: runs without W&B keep byte-identical trainer states
-            **({"tracking": {"wandb_run_id": run.wandb_run_id}} if run.wandb_run_id else {}),
-        },
+        trainer=trainer,
         meta=checkpoint_meta(
             run.model_config,
             rollout_id=rollout_id,
@@ -328,4 +353,5 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             num_threads=run.cfg.loop.num_threads,
             seed=run.cfg.loop.seed,
         ),
+        critic=critic,
     )

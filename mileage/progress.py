@@ -20,8 +20,13 @@ def summary_line(record: dict) -> str:
         f"rollout {record['rollout_id']}",
         f"reward {record['reward_mean']:.3f}",
         f"acc {record['accuracy']:.3f}",
-        f"kl {record['kl']:+.2e}",
-        f"entropy {record['entropy']:.3f}",
+    ]
+    # a PPO critic-only rollout (--num-critic-only-steps) has no policy loss, KL or entropy
+    if "kl" in record:
+        parts += [f"kl {record['kl']:+.2e}", f"entropy {record['entropy']:.3f}"]
+    if "value_loss" in record:
+        parts.append(f"value loss {record['value_loss']:.3f}")
+    parts += [
         f"lr {record['lr']:.2e}",
         f"{record['tokens_per_s']:.0f} tok/s",
         f"{record['step_time']:.2f}s",

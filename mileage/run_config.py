@@ -18,6 +18,7 @@ from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
 from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
+from mileage.training.critic import CriticConfig
 from mileage.training.optimizer import OptimConfig
 
 DEFAULT_NUM_ROLLOUT = 150
@@ -90,6 +91,7 @@ SECTIONS = (
     ("mismatch", MismatchConfig, "engine/trainer log-prob mismatch"),
     ("reward", RewardConfig, "reward"),
     ("algo", AlgoConfig, "algorithm"),
+    ("critic", CriticConfig, "PPO critic"),
     ("optim", OptimConfig, "optimizer"),
     ("loop", LoopConfig, "loop"),
     ("parallel", ParallelConfig, "distributed (torchrun)"),
@@ -106,6 +108,7 @@ class RunConfig:
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -187,11 +190,16 @@ class RunConfig:
         if not 0.0 < r.rollout_top_p <= 1.0:
             raise UserError(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p}")
         self.algo.validate(r.n_samples_per_prompt)
+        self.critic.validate(self.algo.advantage_estimator)
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
         if env.world_size() > 1 and self.engine.rollout_engine != "local":
             raise UserError(
                 f"--rollout-engine {self.engine.rollout_engine} is not supported under torchrun "
                 "yet; each rank generates with the in-process engine (--rollout-engine local)"
+            )
+        if env.world_size() > 1 and self.algo.advantage_estimator == "ppo":
+            raise UserError(
+                "--advantage-estimator ppo (a critic) is not supported under torchrun yet"
             )
         self.engine.validate()
         self.mismatch.validate()

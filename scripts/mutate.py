@@ -39,6 +39,8 @@ LOSS = "tests/test_loss_reference.py"
 SYNC_FAULT_CHAIN = (
     "test_a_failed_save_anywhere_in_the_commit_stops_cleanly_and_the_rerun_is_exact[sync]"
 )
+PPO_PLAN = "tests/test_ppo_plan.py"
+PPO_CRASH = "tests/test_ppo_crash.py"
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,55 @@ MUTANTS = [
         "        self.denominator = global_denominator\n",
         "        self.denominator = LossReducer.global_denominator(mask, per_token)\n",
         (LOSS,),
+    ),
+    Mutant(
+        "critic-counters-not-restored",
+        "a PPO resume restarts the critic's step and rollout counters (LR, critic-only warm-up)",
+        "mileage/components.py",
+        '        restore_critic(run.actor.critic, plan.weights_from, trainer["critic"], '
+        "plan.load_optimizer)\n",
+        "        pass\n",
+        (PPO_CRASH,),
+    ),
+    Mutant(
+        "critic-optimizer-not-restored",
+        "a PPO resume starts the critic's optimizer state afresh",
+        "mileage/training/critic.py",
+        "    if load_optimizer:\n        load_optimizer_tensors(",
+        "    if False:\n        load_optimizer_tensors(",
+        (PPO_CRASH,),
+    ),
+    Mutant(
+        "critic-weights-not-restored",
+        "a PPO resume builds the critic from the actor's weights instead of its checkpoint",
+        "mileage/training/critic.py",
+        "    if critic_from is not None:\n        load_tensors(",
+        "    if False:\n        load_tensors(",
+        (PPO_CRASH,),
+    ),
+    Mutant(
+        "critic-not-committed-with-actor",
+        "the actor's checkpoint commits without the critic",
+        "mileage/checkpoint/store.py",
+        "    if state.critic is not None:\n        _write_critic(directory / CRITIC_DIR, state.critic)\n",
+        "",
+        (PPO_PLAN,),
+    ),
+    Mutant(
+        "critic-behind-actor-accepted",
+        "a resume pairs the actor with a critic saved at another rollout",
+        "mileage/checkpoint/plan.py",
+        '    if rollout is not None and meta.get("rollout_id") != rollout:',
+        "    if False:",
+        (PPO_PLAN,),
+    ),
+    Mutant(
+        "critic-of-another-model-accepted",
+        "a critic saved for another model config is loaded",
+        "mileage/checkpoint/plan.py",
+        '        diffs = config_differences(meta["model_config"], model_config)',
+        "        diffs = []",
+        (PPO_PLAN,),
     ),
 ]
 

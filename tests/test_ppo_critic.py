@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from mileage.errors import UserError
 from mileage.training.critic import Critic, CriticConfig, ValueModel, sequence_values
 from mileage.training.optimizer import LRSchedule
 
@@ -39,10 +41,14 @@ def test_value_model_is_the_actor_body_with_a_reproducible_fresh_head(tiny_hf):
     assert sequence_values(a, part).shape == part.loss_mask.shape
 
 
-def test_critic_save_defaults_to_a_sibling_of_save():
-    assert CriticConfig().save_dir("/runs/x/") == "/runs/x_critic"
-    assert CriticConfig(critic_save="/c").save_dir("/runs/x") == "/c"
-    assert CriticConfig().save_dir(None) is None
+def test_critic_flags_are_refused_where_they_would_do_nothing():
+    with pytest.raises(UserError, match="--critic-save is not supported: mileage saves the critic"):
+        CriticConfig(critic_save="/c").validate("ppo")
+    with pytest.raises(UserError, match="--critic-lr, --num-critic-only-steps configure the PPO"):
+        CriticConfig(critic_lr=1e-3, num_critic_only_steps=2).validate("grpo")
+    with pytest.raises(UserError, match="--num-critic-only-steps must be >= 0, got -1"):
+        CriticConfig(num_critic_only_steps=-1).validate("ppo")
+    CriticConfig(critic_load="/x", critic_lr=1e-3, num_critic_only_steps=2).validate("ppo")
 
 
 def test_critic_training_fits_the_returns(tiny_hf):
@@ -101,3 +107,48 @@ def test_actor_with_critic_uses_gae_and_waits_for_the_critic_warmup(tiny_hf):
     assert critic.step == 1 and "value_loss" in stats
     actor.train_rollout(_batch())
     assert not torch.equal(weights(model), before) and actor.step == 1 and critic.step == 2
+
+
+def test_build_critic_copies_the_actor_and_takes_the_critic_flags(tiny_hf):
+    from transformers import AutoModelForCausalLM
+
+    from mileage.training.algo import AlgoConfig
+    from mileage.training.critic import build_critic
+    from mileage.training.optimizer import OptimConfig
+
+    actor = AutoModelForCausalLM.from_pretrained(tiny_hf)
+    cfg = CriticConfig(critic_lr=3e-3, num_critic_only_steps=2)
+    algo = AlgoConfig(advantage_estimator="ppo", value_clip=0.5)
+    critic = build_critic(cfg, OptimConfig(lr=1e-5), algo, actor, None, str(tiny_hf), 7, 10, 0.5)
+    for name, tensor in actor.model.state_dict().items():
+        value = critic.model.body.state_dict()[name]
+        assert torch.equal(value, tensor) and value.data_ptr() != tensor.data_ptr()
+    assert critic.optimizer.param_groups[0]["lr"] == 3e-3 and critic.schedule.peak == 3e-3
+    assert critic.critic_only_rollouts == 2 and critic.value_clip == 0.5 and critic.clip_grad == 0.5
+    default_lr = build_critic(CriticConfig(), OptimConfig(lr=1e-5), algo, actor, None, "", 7, 10, 1)
+    assert default_lr.schedule.peak == 1e-5
+
+
+def test_async_snapshot_copies_the_critic_too():
+    """--async-save writes a copy made at save time: the critic's tensors must be in it, as
+    copies (training goes on and changes the live ones), reusing the previous snapshot's buffers."""
+    from mileage.checkpoint.store import CheckpointState
+
+    def state(value: float) -> CheckpointState:
+        critic = CheckpointState(
+            model={"value_head.weight": torch.full((1, 2), value)},
+            meta={"rollout_id": 3},
+            optimizer={"value_head.weight.exp_avg": torch.full((1, 2), -value)},
+        )
+        return CheckpointState(model={"w": torch.zeros(2)}, meta={}, critic=critic)
+
+    live = state(1.0)
+    first = live.copied()
+    live.critic.model["value_head.weight"].add_(5.0)
+    assert torch.equal(first.critic.model["value_head.weight"], torch.ones(1, 2))
+    assert torch.equal(first.critic.optimizer["value_head.weight.exp_avg"], -torch.ones(1, 2))
+    assert first.critic.meta == {"rollout_id": 3}
+    second = state(2.0).copied(reuse=first)
+    buffer = second.critic.model["value_head.weight"]
+    assert buffer.data_ptr() == first.critic.model["value_head.weight"].data_ptr()
+    assert torch.equal(buffer, torch.full((1, 2), 2.0))

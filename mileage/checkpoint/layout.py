@@ -4,6 +4,8 @@
     SAVE/iter_{N:07d}/                      one committed checkpoint
         model/  optimizer/                  torch.distributed.checkpoint (DCP) directories
         rng.safetensors  trainer_state.json meta.json
+        critic/                             PPO only: the critic's model/, optimizer/ and meta.json,
+                                            written in the same staging directory (one commit)
         manifest.json                       size + sha256 of every other file; written last
     SAVE/release/                           weights-only checkpoint (model/, meta.json, manifest)
     SAVE/.staging-*                         a save in progress; never read, removed at start
@@ -26,6 +28,7 @@ RELEASE = "release"
 MANIFEST = "manifest.json"
 META = "meta.json"
 STAGING_PREFIX = ".staging-"
+CRITIC_DIR = "critic"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
@@ -77,6 +80,8 @@ class CheckpointInfo:
     complete: bool
     problem: str = ""  # why it is not complete
     meta: dict = field(default_factory=dict, hash=False, compare=False)
+    # critic/meta.json of a PPO checkpoint; None when the checkpoint holds no critic
+    critic_meta: dict | None = field(default=None, hash=False, compare=False)
 
 
 def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
@@ -98,7 +103,13 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
             return CheckpointInfo(str(path), False, f"missing file {name}", meta)
         if file.stat().st_size != entry["size"]:
             return CheckpointInfo(str(path), False, f"{name} has the wrong size", meta)
-    return CheckpointInfo(str(path), True, "", meta)
+    critic_meta = None
+    if f"{CRITIC_DIR}/{META}" in manifest["files"]:
+        try:
+            critic_meta = json.loads((path / CRITIC_DIR / META).read_text())
+        except (OSError, ValueError) as exc:
+            return CheckpointInfo(str(path), False, f"unreadable critic meta ({exc})", meta)
+    return CheckpointInfo(str(path), True, "", meta, critic_meta)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,11 @@ the contract; each row has a test in tests/test_plan.py.
 | --save holds committed checkpoints (a tracker) this start won't continue | error: suggest --load SAVE or a new --save |
 | mode bridge + native source / mode raw + HF source | error naming the mode that fits                          |
 | resume saved at another world size (torchrun N)   | resume (DCP reshards); the plan says what stays exact     |
+| PPO resume: the checkpoint has no critic/         | error: suggest --finetune (fresh critic) or another --load |
+| PPO resume: critic/ saved at another rollout      | error: the critic is behind (or ahead of) the actor       |
+| PPO: critic (checkpoint or --critic-load) from another model | error naming the differing fields              |
+| PPO resume                                        | critic weights, optimizer and counters from the checkpoint's critic/ |
+| PPO fresh/--finetune                              | critic weights from --critic-load, else the checkpoint's critic/ (finetune), else the actor's weights + a fresh value head |
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from mileage.checkpoint.layout import (
+    CRITIC_DIR,
     TRACKER,
     CheckpointInfo,
     DirState,
@@ -55,6 +61,8 @@ class StartFlags:
     load_rng: bool = True
     start_rollout_id: int | None = None
     world_size: int = 1  # processes of this run (torchrun --nproc-per-node x --nnodes)
+    critic: bool = False  # --advantage-estimator ppo: the run trains a critic
+    critic_load: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class DiskState:
     ref_load: DirState | None
     hf_checkpoint: DirState | None
     model_config: dict | None  # the config the run builds its model from (the --hf-checkpoint one)
+    critic_load: DirState | None = None
 
 
 def gather_disk_state(flags: StartFlags, model_config: dict | None) -> DiskState:
@@ -73,6 +82,7 @@ def gather_disk_state(flags: StartFlags, model_config: dict | None) -> DiskState
         ref_load=scan_dir(flags.ref_load),
         hf_checkpoint=scan_dir(flags.hf_checkpoint),
         model_config=model_config,
+        critic_load=scan_dir(flags.critic_load),
     )
 
 
@@ -89,10 +99,18 @@ class ResumePlan:
     load_rng: bool
     load_data_state: bool
     reasons: tuple[str, ...]
+    # PPO: the checkpoint directory whose critic/ the critic loads; None: the actor's weights
+    # and a fresh value head. critic_state: also its optimizer and counters (a resume)
+    critic: bool = False
+    critic_from: str | None = None
+    critic_state: bool = False
 
     def to_json(self) -> str:
         data = asdict(self)
         data["reasons"] = list(self.reasons)
+        if not self.critic:  # the critic's part of the plan only appears for PPO
+            for key in ("critic", "critic_from", "critic_state"):
+                del data[key]
         return json.dumps(data, indent=2)
 
     def describe(self) -> str:
@@ -116,6 +134,16 @@ class ResumePlan:
             + (f", iteration {self.iteration})" if self.iteration is not None else ")"),
             f"  also loads: {', '.join(loads) if loads else 'nothing else (fresh optimizer, RNG, data)'}",
         ]
+        if self.critic:
+            lines.append(
+                "  critic: "
+                + (
+                    "the actor's starting weights + a fresh value head"
+                    if self.critic_from is None
+                    else os.path.join(self.critic_from, CRITIC_DIR)
+                    + (" (weights, optimizer, counters)" if self.critic_state else " (weights)")
+                )
+            )
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
 
@@ -336,6 +364,7 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
                 f"choose a new --save"
             )
 
+    critic_from = _plan_critic(flags, disk, source, resumable, reasons)
     return ResumePlan(
         action=action,
         mode=flags.mode,
@@ -348,4 +377,66 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
         load_rng=load_rng,
         load_data_state=load_data,
         reasons=tuple(reasons),
+        critic=flags.critic,
+        critic_from=critic_from,
+        critic_state=flags.critic and resumable,
     )
+
+
+def _plan_critic(
+    flags: StartFlags, disk: DiskState, source: _Source, resumable: bool, reasons: list[str]
+) -> str | None:
+    """PPO: the checkpoint whose critic/ the run loads (None: a fresh critic). A resume pairs
+    the actor with the critic of the same checkpoint, which was committed with it."""
+    if not flags.critic:
+        return None
+    critic_meta = source.info.critic_meta if source.info is not None else None
+    if resumable:
+        if critic_meta is None:
+            raise UserError(
+                f"{source.path} holds no critic (it was saved without --advantage-estimator ppo), "
+                f"so PPO cannot resume from it; pass --finetune to start a fresh critic from its "
+                f"weights, or another --load"
+            )
+        _check_critic(critic_meta, source.path, disk.model_config, source.iteration)
+        if flags.critic_load:
+            reasons.append(f"--critic-load ignored: a resume takes the critic of {source.path}")
+        return source.path
+    if flags.critic_load:
+        state = disk.critic_load
+        if state is None or not state.exists:
+            raise UserError(f"--critic-load {flags.critic_load} does not exist")
+        if not state.tracker.exists:
+            raise UserError(
+                f"--critic-load {state.path} has no {TRACKER}: give the --save directory of a "
+                f"PPO run"
+            )
+        critic = _native_source(state, None, "--critic-load")
+        if critic.info.critic_meta is None:
+            raise UserError(
+                f"--critic-load: {critic.path} holds no critic/ (give the --save directory of a "
+                f"PPO run)"
+            )
+        _check_critic(critic.info.critic_meta, critic.path, disk.model_config, None)
+        reasons.append(f"critic weights from --critic-load: {critic.reason}")
+        return critic.path
+    if critic_meta is not None:  # --finetune from a PPO checkpoint keeps its critic's weights
+        _check_critic(critic_meta, source.path, disk.model_config, None)
+        return source.path
+    return None
+
+
+def _check_critic(meta: dict, path: str, model_config: dict | None, rollout: int | None) -> None:
+    where = os.path.join(path, CRITIC_DIR)
+    if rollout is not None and meta.get("rollout_id") != rollout:
+        raise UserError(
+            f"{where} was saved at rollout {meta.get('rollout_id')} but the actor at {rollout}: "
+            f"actor and critic are not one commit; refusing to pair them"
+        )
+    if model_config is not None and "model_config" in meta:
+        diffs = config_differences(meta["model_config"], model_config)
+        if diffs:
+            raise UserError(
+                f"{where} is a critic of a different model than --hf-checkpoint "
+                f"({'; '.join(diffs)})"
+            )

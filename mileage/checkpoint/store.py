@@ -3,7 +3,10 @@
 Commit order (a kill at any instant leaves the tracker absent or naming a complete checkpoint).
 Each gap has a named fault point (`mileage.faults`), so the tests can kill or fail a save there:
   1. write everything under SAVE/.staging-<name>-<pid>-<n>/: model [save_after_model],
-     optimizer [save_after_optimizer], RNG, trainer state and meta [save_after_state]; fsync
+     optimizer [save_after_optimizer], with PPO the critic's model [save_after_critic_model],
+     optimizer and meta [save_after_critic] (inside the same staging directory, so the one
+     rename and tracker below commit actor and critic together), RNG, trainer state and meta
+     [save_after_state]; fsync
      each file while hashing it [save_before_manifest]; then the manifest [commit_before_rename];
   2. rename the staging directory to iter_{N:07d} [commit_after_rename] and fsync SAVE
      [commit_before_tracker];
@@ -39,6 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from mileage.checkpoint.layout import (
+    CRITIC_DIR,
     MANIFEST,
     META,
     RELEASE,
@@ -77,6 +81,8 @@ class CheckpointState:
     optimizer: dict[str, torch.Tensor] | None = None
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     trainer: dict = field(default_factory=dict)
+    # PPO: the critic's model, optimizer and meta, written to critic/ of the same checkpoint
+    critic: CheckpointState | None = None
 
     def copied(self, reuse: CheckpointState | None = None) -> CheckpointState:
         """A deep copy in CPU memory, so training can go on while a background thread writes.
@@ -105,6 +111,7 @@ class CheckpointState:
             clone(self.optimizer, reuse and reuse.optimizer),
             clone(self.rng, reuse and reuse.rng),
             json.loads(json.dumps(self.trainer)),
+            self.critic.copied(reuse and reuse.critic) if self.critic is not None else None,
         )
 
 
@@ -249,6 +256,8 @@ def _write_contents(directory: Path, state: CheckpointState, tensors_written: bo
         if state.optimizer is not None:
             save_tensors(state.optimizer, directory / OPTIMIZER_DIR)
             fault_point("save_after_optimizer", directory)
+    if state.critic is not None:
+        _write_critic(directory / CRITIC_DIR, state.critic)
     if state.rng:
         save_safetensors(state.rng, directory / RNG_FILE)
     if state.trainer:
@@ -258,6 +267,8 @@ def _write_contents(directory: Path, state: CheckpointState, tensors_written: bo
     required = [f"{MODEL_DIR}/.metadata", META]
     if state.optimizer is not None:
         required.append(f"{OPTIMIZER_DIR}/.metadata")
+    if state.critic is not None:
+        required += [f"{CRITIC_DIR}/{MODEL_DIR}/.metadata", f"{CRITIC_DIR}/{META}"]
     for name in required:  # a directory deleted under the save must not commit as "complete"
         if not (directory / name).is_file():
             raise FileNotFoundError(errno.ENOENT, "written file vanished", str(directory / name))
@@ -269,6 +280,16 @@ def _write_contents(directory: Path, state: CheckpointState, tensors_written: bo
     }
     write_json_durably(directory / MANIFEST, {"files": files})
     fsync_path(directory)
+
+
+def _write_critic(directory: Path, critic: CheckpointState) -> None:
+    directory.mkdir()
+    save_tensors(critic.model, directory / MODEL_DIR)
+    fault_point("save_after_critic_model", directory)
+    save_tensors(critic.optimizer, directory / OPTIMIZER_DIR)
+    write_json_durably(directory / META, critic.meta)
+    fsync_path(directory)
+    fault_point("save_after_critic", directory)
 
 
 def staging_path(save_dir: str | Path, name: int | str) -> Path:

@@ -2,8 +2,8 @@
 
 Used by the crash-anywhere harness (`mileage.testing.crash`) and `scripts/soak.py`: a run that
 was killed and rerun must equal the uninterrupted run in every model, optimizer and RNG tensor
-of every checkpoint (`torch.equal`), in the trainer state and meta.json, and in metrics.jsonl
-with the wall-clock keys left out.
+of every checkpoint (`torch.equal`; with PPO the critic's too), in the trainer state and
+meta.json, and in metrics.jsonl with the wall-clock keys left out.
 """
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from mileage.checkpoint.layout import META, STAGING_PREFIX, checkpoint_path, read_tracker, scan_dir
+from mileage.checkpoint.layout import (
+    CRITIC_DIR,
+    META,
+    STAGING_PREFIX,
+    checkpoint_path,
+    read_tracker,
+    scan_dir,
+)
 from mileage.checkpoint.store import (
     MODEL_DIR,
     OPTIMIZER_DIR,
@@ -71,7 +78,8 @@ def compare_checkpoints(ckpt_a: str | Path, ckpt_b: str | Path) -> list[str]:
     a, b = Path(ckpt_a), Path(ckpt_b)
     name = a.name
     diffs = []
-    for sub in (MODEL_DIR, OPTIMIZER_DIR):
+    critic_model, critic_optimizer = f"{CRITIC_DIR}/{MODEL_DIR}", f"{CRITIC_DIR}/{OPTIMIZER_DIR}"
+    for sub in (MODEL_DIR, OPTIMIZER_DIR, critic_model, critic_optimizer):
         present = ((a / sub / ".metadata").is_file(), (b / sub / ".metadata").is_file())
         if present == (True, True):
             diffs += compare_tensors(f"{name}/{sub}", load_tensors(a / sub), load_tensors(b / sub))
@@ -82,7 +90,11 @@ def compare_checkpoints(ckpt_a: str | Path, ckpt_b: str | Path) -> list[str]:
         diffs += compare_tensors(f"{name}/{RNG_FILE}", rng_a, rng_b)
     elif (a / RNG_FILE).is_file() != (b / RNG_FILE).is_file():
         diffs.append(f"{TENSOR_DIFF}{name}/{RNG_FILE}: present in only one run")
-    for json_name, ignored in ((TRAINER_STATE, frozenset()), (META, VOLATILE_META)):
+    for json_name, ignored in (
+        (TRAINER_STATE, frozenset()),
+        (META, VOLATILE_META),
+        (f"{CRITIC_DIR}/{META}", VOLATILE_META),
+    ):
         doc_a, doc_b = _read_json(a / json_name), _read_json(b / json_name)
         doc_a = {k: v for k, v in doc_a.items() if k not in ignored}
         doc_b = {k: v for k, v in doc_b.items() if k not in ignored}

@@ -54,6 +54,9 @@ SAVE_POINTS = (
 # reached after the tracker has moved: the checkpoint being saved is committed
 COMMITTED_SAVE_POINTS = ("commit_after_tracker", "save_after_prune")
 KILL_POINTS = LOOP_POINTS + SAVE_POINTS
+# PPO only: the critic is written into the same staging directory, after the actor's optimizer
+CRITIC_SAVE_POINTS = ("save_after_critic_model", "save_after_critic")
+PPO_SAVE_POINTS = SAVE_POINTS[:2] + CRITIC_SAVE_POINTS + SAVE_POINTS[2:]
 
 # The run both the pytest harness and scripts/soak.py kill: two optimizer steps per rollout
 # (32 samples, global batch 16), warmup then cosine decay, shuffled prompts and an evaluation
@@ -75,6 +78,19 @@ def crash_run_args(num_rollout: int = 6, async_save: bool = False) -> list[str]:
         "--num-threads", "1",
     ]  # fmt: skip
     return [*args, "--async-save"] if async_save else args
+
+
+def ppo_crash_run_args(num_rollout: int = 4) -> list[str]:
+    """The crash run with a critic: PPO with GAE, normalised advantages, its own critic LR and
+    one critic-only rollout first (state the critic's resume has to get exactly right)."""
+    return [
+        *crash_run_args(num_rollout),
+        "--advantage-estimator", "ppo",
+        "--normalize-advantages",
+        "--lambd", "0.95",
+        "--critic-lr", "3e-4",
+        "--num-critic-only-steps", "1",
+    ]  # fmt: skip
 
 
 _PLAN_RE = re.compile(
@@ -99,8 +115,9 @@ class Kill:
     def __post_init__(self) -> None:
         if (self.point is None) == (self.delay is None):
             raise ValueError("a Kill needs exactly one of a point and a delay")
-        if self.point is not None and self.point not in KILL_POINTS:
-            raise ValueError(f"unknown kill point {self.point!r}; known: {', '.join(KILL_POINTS)}")
+        known = KILL_POINTS + CRITIC_SAVE_POINTS
+        if self.point is not None and self.point not in known:
+            raise ValueError(f"unknown kill point {self.point!r}; known: {', '.join(known)}")
         if self.hit < 1:
             raise ValueError(f"hit must be >= 1, got {self.hit}")
         if self.delay is not None and self.delay < 0:
@@ -507,7 +524,7 @@ def _hit_rollout(
     first_unlogged = 0 if logged is None else logged + 1
     if kill.point in COMMITTED_SAVE_POINTS:
         return committed
-    if kill.point in SAVE_POINTS:
+    if kill.point in PPO_SAVE_POINTS:
         return committed + 1
     if kill.point == "after_metrics":
         return first_unlogged - 1

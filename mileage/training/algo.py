@@ -11,7 +11,7 @@ from mileage.config import option
 from mileage.errors import UserError
 from mileage.training.losses import KL_ESTIMATORS
 
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 
 
@@ -75,6 +75,11 @@ class AlgoConfig:
             raise UserError(
                 "give --kl-coef (KL in the reward) or --use-kl-loss/--kl-loss-coef (KL in the "
                 "loss), not both (miles refuses both at once)"
+            )
+        if self.kl_coef != 0.0 and est == "ppo":
+            raise UserError(
+                "--kl-coef is refused with --advantage-estimator ppo (as in miles); "
+                "use --use-kl-loss --kl-loss-coef"
             )
         if self.kl_coef != 0.0 and est not in (
             "reinforce_plus_plus",

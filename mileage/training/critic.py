@@ -3,39 +3,83 @@ value head) and its training on GAE returns with value clipping (miles' `value_l
 
 Values live in the same "target" space as log-probs: `values[:, i]` is the value of the state
 whose next token is `targets[:, i]`.
+
+The critic is checkpointed inside the actor's checkpoint (iter_N/critic/: model, optimizer,
+meta; its counters in the actor's trainer_state.json), written in the same staging directory, so
+the one rename and tracker move that commit the actor commit the critic too: a resume can never
+pair an actor of rollout N with a critic of N-1. That is why mileage has no --critic-save
+directory (miles: --save + "_critic"); see docs/flags.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
+from mileage.checkpoint.layout import CRITIC_DIR
+from mileage.checkpoint.store import (
+    MODEL_DIR,
+    CheckpointState,
+    load_optimizer_tensors,
+    load_tensors,
+    model_tensors,
+    optimizer_tensors,
+)
 from mileage.config import option
+from mileage.errors import UserError
+from mileage.models.hf import empty_causal_lm
 from mileage.seeding import derive_seed
 from mileage.training.batch import TrainBatch
 from mileage.training.losses import LossReducer, value_loss
-from mileage.training.optimizer import LRSchedule
+from mileage.training.optimizer import LRSchedule, OptimConfig, build_optimizer, build_schedule
 
 
 @dataclass
 class CriticConfig:
     critic_load: str | None = option(
-        None, "PPO: initial critic weights (default: the actor's + a fresh value head)"
+        None,
+        "PPO: initial critic weights, from the --save directory of a PPO run "
+        "(default: the actor's starting weights + a fresh value head)",
     )
     critic_save: str | None = option(
-        None, "PPO: critic checkpoints (default: --save with _critic appended)"
+        None,
+        "not supported: the critic is saved inside each --save checkpoint (iter_N/critic/), so "
+        "actor and critic commit as one",
     )
     critic_lr: float | None = option(None, "PPO: critic learning rate (default: --lr)")
     num_critic_only_steps: int = option(
         0, "PPO: first rollouts in which only the critic trains (the actor is frozen)"
     )
 
-    def save_dir(self, save: str | None) -> str | None:
-        """miles' default: a sibling of --save, so the two trackers never share a directory."""
-        if self.critic_save or not save:
-            return self.critic_save
-        return save.rstrip("/") + "_critic"
+    def validate(self, advantage_estimator: str) -> None:
+        if self.critic_save is not None:
+            raise UserError(
+                "--critic-save is not supported: mileage saves the critic inside each --save "
+                "checkpoint (iter_N/critic/) so that actor and critic commit as one"
+            )
+        if self.num_critic_only_steps < 0:
+            raise UserError(
+                f"--num-critic-only-steps must be >= 0, got {self.num_critic_only_steps}"
+            )
+        if self.critic_lr is not None and self.critic_lr < 0:
+            raise UserError(f"--critic-lr must be >= 0, got {self.critic_lr}")
+        given = [
+            flag
+            for flag, on in (
+                ("--critic-load", self.critic_load is not None),
+                ("--critic-lr", self.critic_lr is not None),
+                ("--num-critic-only-steps", self.num_critic_only_steps != 0),
+            )
+            if on
+        ]
+        if given and advantage_estimator != "ppo":
+            raise UserError(
+                f"{', '.join(given)} configure the PPO critic; --advantage-estimator "
+                f"{advantage_estimator} has none (use --advantage-estimator ppo)"
+            )
 
 
 class ValueModel(torch.nn.Module):
@@ -45,8 +89,11 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         self.body = getattr(causal_lm, causal_lm.base_model_prefix)
         hidden = causal_lm.config.hidden_size
-        self.value_head = torch.nn.Linear(hidden, 1, bias=False)
+        dtype = next(self.body.parameters()).dtype
         # a fresh head, drawn from its own indexed generator so a run's critic is reproducible
+        # (built on "meta" first: nn.Linear's own init would draw from the global RNG)
+        self.value_head = torch.nn.Linear(hidden, 1, bias=False, device="meta", dtype=dtype)
+        self.value_head.to_empty(device="cpu")
         gen = torch.Generator().manual_seed(derive_seed(seed, "value_head", 0))
         with torch.no_grad():
             self.value_head.weight.normal_(0.0, hidden**-0.5, generator=gen)
@@ -138,3 +185,48 @@ class Critic:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.rollouts = int(state["step"]), int(state["rollouts"])
+
+
+def build_critic(
+    cfg: CriticConfig,
+    optim: OptimConfig,
+    algo,
+    actor_model: torch.nn.Module,
+    critic_from: str | None,
+    config_dir: str,
+    seed: int,
+    total_steps: int,
+    clip_grad: float,
+) -> Critic:
+    """The critic the plan names: weights from `critic_from`/critic/, else a copy of the actor's
+    starting weights (call before the actor trains) with a fresh value head."""
+    body = copy.deepcopy(actor_model) if critic_from is None else empty_causal_lm(config_dir)
+    model = ValueModel(body, seed).eval()
+    if critic_from is not None:
+        load_tensors(Path(critic_from) / CRITIC_DIR / MODEL_DIR, into=model_tensors(model))
+    lr = optim.lr if cfg.critic_lr is None else cfg.critic_lr
+    return Critic(
+        model,
+        build_optimizer(model, optim, lr=lr),
+        replace(build_schedule(optim, total_steps), peak=lr),
+        algo.value_clip,
+        clip_grad,
+        algo.calculate_per_token_loss,
+        critic_only_rollouts=cfg.num_critic_only_steps,
+    )
+
+
+def critic_checkpoint_state(critic: Critic, meta: dict) -> CheckpointState:
+    """The critic's part of a checkpoint (its counters go into the actor's trainer state)."""
+    return CheckpointState(
+        model=model_tensors(critic.model),
+        meta=meta,
+        optimizer=optimizer_tensors(critic.model, critic.optimizer),
+    )
+
+
+def restore_critic(critic: Critic, checkpoint: str, state: dict, load_optimizer: bool) -> None:
+    """A resume: the critic's counters, and its optimizer unless --no-load-optim."""
+    critic.load_state_dict(state)
+    if load_optimizer:
+        load_optimizer_tensors(Path(checkpoint) / CRITIC_DIR, critic.model, critic.optimizer)
