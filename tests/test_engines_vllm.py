@@ -16,6 +16,10 @@ import pytest
 from conftest import REPO, fast_train_args
 
 from mileage.metrics import read_metrics
+from mileage.rollout.engine import SamplingParams
+from mileage.rollout.engines.config import EngineConfig
+from mileage.rollout.engines.http import BadReply
+from mileage.rollout.engines.vllm import VLLMEngine, launch_args
 
 FAKE_SERVER = """
 import argparse, json, os, subprocess, sys
@@ -51,14 +55,18 @@ class Handler(BaseHTTPRequestHandler):
             engine.update_weights({"model_path": body["kwargs"]["weights_path"]})
             return self.reply({"results": [None]})
         if self.path == "/reset_prefix_cache":
-            return self.reply({})
-        assert body["model"] == args.served_model_name and body["return_tokens_as_token_ids"]
+            return self.reply({"success": True})
+        if self.path == "/update_weight_version":
+            return self.reply({"success": True, "new_version": body["new_version"]})
+        assert body["model"] == args.served_model_name and body["return_token_ids"]
+        assert body["top_k"] == 0 and body["repetition_penalty"] == 1.0
         out = engine.generate({"input_ids": body["prompt"], "sampling_params": {
             "max_new_tokens": body["max_tokens"], "temperature": body["temperature"],
             "top_p": body["top_p"], "sampling_seed": body.get("seed")}})
         meta = out["meta_info"]
         pairs = meta["output_token_logprobs"]
         self.reply({"choices": [{"index": 0, "finish_reason": meta["finish_reason"]["type"],
+            "token_ids": [t for _, t, _ in pairs], "prompt_token_ids": body["prompt"],
             "logprobs": {"tokens": [f"token_id:{t}" for _, t, _ in pairs],
                          "token_logprobs": [lp for lp, _, _ in pairs]}}]})
 
@@ -146,3 +154,49 @@ def test_missing_vllm_python_is_one_line(cli, tiny_hf, tmp_path):
         f"mileage: error: --vllm-python {tmp_path / 'nope'} does not exist; install vLLM with "
         "scripts/install_vllm.sh or give --rollout-url of a running server"
     ]
+
+
+def test_launch_defaults_give_way_to_the_users_flags():
+    assert launch_args("") == [
+        "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm", "--enforce-eager", "--kv-cache-memory-bytes", "1G",
+    ]  # fmt: skip
+    assert launch_args("--gpu-memory-utilization 0.5 --dtype=bfloat16 --no-enforce-eager") == [
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--gpu-memory-utilization", "0.5", "--dtype=bfloat16", "--no-enforce-eager",
+    ]  # fmt: skip
+
+
+def completion(prompt, tokens, logprobs, finish="stop", echoed=None) -> dict:
+    """A /v1/completions reply as vLLM 0.32 shapes it (return_token_ids, logprobs=0)."""
+    return {"choices": [{
+        "index": 0, "finish_reason": finish, "token_ids": tokens,
+        "prompt_token_ids": prompt if echoed is None else echoed,
+        "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs},
+    }]}  # fmt: skip
+
+
+def test_completion_replies_are_read_and_checked(tmp_path):
+    cfg = EngineConfig(rollout_engine="vllm", rollout_url=["http://127.0.0.1:9"],
+                       rollout_weights_dir=str(tmp_path / "w"))  # fmt: skip
+    engine = VLLMEngine(cfg, vocab_size=50, eos_id=2, model_dir="unused", log=print)
+    engine.weight_version = 7
+    try:
+        validate = engine._validator([1, 5, 6], SamplingParams(max_new_tokens=4))
+        done = validate(completion([1, 5, 6], [9, 2], [-0.5, -0.25]))
+        assert (done.response_ids, done.logprobs, done.finished, done.weight_version) == (
+            [9, 2], [-0.5, -0.25], True, 7)  # fmt: skip
+        cut = validate(completion([1, 5, 6], [9, 9, 9, 9], [-1.0] * 4, finish="length"))
+        assert not cut.finished
+        for reply, why in (
+            (completion([1, 5, 6], [9, 2], [-0.5, -0.25], echoed=[5, 6]), "another prompt"),
+            (completion([1, 5, 6], [9, 2], [-0.5]), "2 tokens, 1 log-probs"),
+            (completion([1, 5, 6], [9, 77], [-0.5, -0.25]), "outside the vocabulary"),
+            (completion([1, 5, 6], [9, 2], [-0.5, 0.3]), "finite number <= 0"),
+            (completion([1, 5, 6], [9, 2], [-0.5, -0.25], finish="abort"), "finish_reason"),
+            ({"choices": []}, "malformed"),
+        ):
+            with pytest.raises(BadReply, match=why):
+                validate(reply)
+    finally:
+        engine.close()
