@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, fast_train_args
+from safetensors.torch import load_file
 
 from mileage.metrics import read_metrics
 from mileage.rollout.engine import SamplingParams
@@ -29,14 +31,14 @@ from mileage.serve import EngineServer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model"); parser.add_argument("--host"); parser.add_argument("--port", type=int)
-parser.add_argument("--served-model-name")
+parser.add_argument("--served-model-name"); parser.add_argument("--tokenizer")
 args, _ = parser.parse_known_args()
 # a child of the server, as vLLM's engine-core process is: it must die with the server
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 with open(os.environ["FAKE_VLLM_PIDS"], "a") as f:
     f.write(f"{os.getpid()} {child.pid}\\n")
 configure_determinism(0, 1)
-engine = EngineServer(args.model)
+engine = EngineServer(args.tokenizer)  # --model holds weights only (no tokenizer)
 calls = []
 
 class Handler(BaseHTTPRequestHandler):
@@ -200,3 +202,26 @@ def test_completion_replies_are_read_and_checked(tmp_path):
                 validate(reply)
     finally:
         engine.close()
+
+
+def test_weights_for_vllm_have_their_own_lm_head(tiny_hf, tmp_path):
+    """vLLM's in-place reload skips a tied head; the directory it reloads from unties it."""
+    from transformers import AutoModelForCausalLM
+
+    from mileage.rollout.engines.vllm import untie_on_disk
+    from mileage.rollout.engines.weights import DiskWeights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings
+    with torch.no_grad():
+        model.get_input_embeddings().weight.add_(0.5)  # a trained step moves the tied matrix
+    weights = DiskWeights(str(tmp_path / "w"))
+    path = weights.write(model)
+    untie_on_disk(model, path)
+    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert not reloaded.config.tie_word_embeddings
+    assert "lm_head.weight" in load_file(path / "model.safetensors")
+    assert torch.equal(reloaded.lm_head.weight, model.get_input_embeddings().weight)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)

@@ -28,6 +28,7 @@ client stamps the version it synced; requests go out only after every reload ret
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shlex
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from mileage.errors import UserError
 from mileage.rollout.engine import Completion, SamplingParams
@@ -90,7 +92,39 @@ def launch_args(user_args: str) -> list[str]:
     return args + user
 
 
-def launch_vllm(cfg: EngineConfig, model_dir: str, log) -> tuple[ServerProcess, str]:
+def untie_on_disk(model: torch.nn.Module, path: Path) -> None:
+    """Give the HF directory at `path` its own `lm_head.weight` (a copy of the embedding) and
+    `tie_word_embeddings: false`, when `model` ties them.
+
+    vLLM 0.32's in-place `reload_weights` does not reload a tied LM head: the checkpoint has no
+    `lm_head.weight`, so the layer-wise reloader puts the old head back ("ParallelLMHead: Failed
+    to load weights") and the server samples from new body weights and an old head (measured:
+    a 1e-3 log-prob mismatch after one step at lr 1e-5, 100x the fp32 noise). A server started
+    from an untied directory has a head of its own, which every reload then overwrites.
+    """
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head = model.get_input_embeddings().weight.detach().contiguous().clone()
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: one more shard, named in the index
+        save_file({"lm_head.weight": head}, path / "lm_head.safetensors", {"format": "pt"})
+        data = json.loads(index.read_text())
+        data["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
+        index.write_text(json.dumps(data, indent=2))
+    else:  # one file: add the head to it (an HF loader reads only model.safetensors)
+        single = path / "model.safetensors"
+        tensors = {**load_file(single), "lm_head.weight": head}
+        staging = single.with_name(".model.safetensors.tmp")
+        save_file(tensors, staging, {"format": "pt"})
+        os.replace(staging, single)
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def launch_vllm(
+    cfg: EngineConfig, weights_dir: Path, tokenizer_dir: str, log
+) -> tuple[ServerProcess, str]:
     python = Path(cfg.vllm_python) if cfg.vllm_python else default_vllm_python()
     if not python.exists():
         raise UserError(
@@ -99,8 +133,8 @@ def launch_vllm(cfg: EngineConfig, model_dir: str, log) -> tuple[ServerProcess, 
         )
     port = free_port()
     command = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights_dir),
+        "--tokenizer", tokenizer_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
         *launch_args(cfg.vllm_args),
     ]  # fmt: skip
     log_path = Path(tempfile.mkdtemp(prefix="mileage-vllm-")) / "vllm.log"
@@ -127,21 +161,28 @@ class VLLMEngine:
     in_process = False
 
     def __init__(self, cfg: EngineConfig, vocab_size: int, eos_id: int, model_dir: str, log):
+        self.cfg, self.model_dir, self.log = cfg, model_dir, log
         self.server = None
-        urls = list(cfg.rollout_url)
-        if not urls:
-            self.server, url = launch_vllm(cfg, model_dir, log)
-            urls = [url]
-        self.pool = ServerPool(urls, cfg.rollout_timeout, cfg.rollout_attempts, "vllm rollout")
-        self.pool.in_flight = IN_FLIGHT
+        # without --rollout-url the server is launched at the first sync, from the (untied)
+        # weights written for it, so that it starts with the trainer's weights and head layout
+        self.pool = self._pool(cfg.rollout_url) if cfg.rollout_url else None
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.sync_timeout = cfg.rollout_sync_timeout
         self.weights = DiskWeights(cfg.rollout_weights_dir)
         self.weight_version = -1
 
+    def _pool(self, urls: list[str]) -> ServerPool:
+        pool = ServerPool(urls, self.cfg.rollout_timeout, self.cfg.rollout_attempts, "vllm rollout")
+        pool.in_flight = IN_FLIGHT
+        return pool
+
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         path = self.weights.write(model)
+        untie_on_disk(model, path)
+        if self.pool is None:
+            self.server, url = launch_vllm(self.cfg, path, self.model_dir, self.log)
+            self.pool = self._pool([url])
         steps = (
             (
                 "/collective_rpc",
@@ -171,6 +212,8 @@ class VLLMEngine:
         seed: SamplingSeed | None = None,
         group_size: int = 1,
     ) -> list[Completion]:
+        if self.pool is None:
+            raise RuntimeError("VLLMEngine.generate before the first update_weights")
         payloads, validators = [], []
         for row, prompt in enumerate(prompts):
             payload = {
