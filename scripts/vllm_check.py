@@ -211,7 +211,8 @@ def check_engine(args, model_dir: Path, work: Path, log) -> list[str]:
         log(f"after update_weights (A's final weights): {moved}/4 seeded samples and "
             f"{moved_greedy}/{len(prompts)} greedy answers changed; their engine log-probs vs "
             f"the new weights {against_new:.2e}, vs the old {against_old:.2e}")  # fmt: skip
-        for old, new in list(zip(greedy_before, greedy_after, strict=True))[:3]:
+        pairs = zip(greedy_before, greedy_after, strict=True)
+        for old, new in [(o, n) for o, n in pairs if o.response_ids != n.response_ids][:3]:
             log(f"  greedy {tokenizer.decode(old.response_ids)!r} -> "
                 f"{tokenizer.decode(new.response_ids)!r}")  # fmt: skip
         if not against_old > 10 * against_new:
