@@ -16,8 +16,8 @@ Log-probs: vLLM returns log-probs of the raw logits by default (before temperatu
 scores temperature-scaled logits, so a launched server gets `--logprobs-mode
 processed_logprobs` (after temperature and top-k/top-p: equal to the trainer's when top-p is 1).
 
-Weights: written as an HF directory (with an untied LM head, see `untie_on_disk`), then `POST /collective_rpc` `{method: "reload_weights",
-kwargs: {weights_path}}` (the worker's `reload_weights(weights_iterator=None, weights_path=None,
+Weights: written as an HF directory (with an untied LM head, see `untie_on_disk`), then
+`POST /collective_rpc` `{method: "reload_weights", kwargs: {weights_path}}` (the worker's `reload_weights(weights_iterator=None, weights_path=None,
 is_checkpoint_format=True)` reloads in place from that directory), `POST /reset_prefix_cache`
 (cached KV of the old weights must go) and `POST /update_weight_version` (the server labels
 its weights with the trainer's version; `GET /weight_info` shows it). These are
