@@ -13,9 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, fast_train_args
+from safetensors.torch import load_file
 
 from mileage.metrics import read_metrics
+from mileage.rollout.engine import SamplingParams
+from mileage.rollout.engines.config import EngineConfig
+from mileage.rollout.engines.http import BadReply
+from mileage.rollout.engines.vllm import VLLMEngine, launch_args
 
 FAKE_SERVER = """
 import argparse, json, os, subprocess, sys
@@ -25,14 +31,14 @@ from mileage.serve import EngineServer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model"); parser.add_argument("--host"); parser.add_argument("--port", type=int)
-parser.add_argument("--served-model-name")
+parser.add_argument("--served-model-name"); parser.add_argument("--tokenizer")
 args, _ = parser.parse_known_args()
 # a child of the server, as vLLM's engine-core process is: it must die with the server
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 with open(os.environ["FAKE_VLLM_PIDS"], "a") as f:
     f.write(f"{os.getpid()} {child.pid}\\n")
 configure_determinism(0, 1)
-engine = EngineServer(args.model)
+engine = EngineServer(args.tokenizer)  # --model holds weights only (no tokenizer)
 calls = []
 
 class Handler(BaseHTTPRequestHandler):
@@ -51,14 +57,18 @@ class Handler(BaseHTTPRequestHandler):
             engine.update_weights({"model_path": body["kwargs"]["weights_path"]})
             return self.reply({"results": [None]})
         if self.path == "/reset_prefix_cache":
-            return self.reply({})
-        assert body["model"] == args.served_model_name and body["return_tokens_as_token_ids"]
+            return self.reply({"success": True})
+        if self.path == "/update_weight_version":
+            return self.reply({"success": True, "new_version": body["new_version"]})
+        assert body["model"] == args.served_model_name and body["return_token_ids"]
+        assert body["top_k"] == 0 and body["repetition_penalty"] == 1.0
         out = engine.generate({"input_ids": body["prompt"], "sampling_params": {
             "max_new_tokens": body["max_tokens"], "temperature": body["temperature"],
             "top_p": body["top_p"], "sampling_seed": body.get("seed")}})
         meta = out["meta_info"]
         pairs = meta["output_token_logprobs"]
         self.reply({"choices": [{"index": 0, "finish_reason": meta["finish_reason"]["type"],
+            "token_ids": [t for _, t, _ in pairs], "prompt_token_ids": body["prompt"],
             "logprobs": {"tokens": [f"token_id:{t}" for _, t, _ in pairs],
                          "token_logprobs": [lp for lp, _, _ in pairs]}}]})
 
@@ -146,3 +156,72 @@ def test_missing_vllm_python_is_one_line(cli, tiny_hf, tmp_path):
         f"mileage: error: --vllm-python {tmp_path / 'nope'} does not exist; install vLLM with "
         "scripts/install_vllm.sh or give --rollout-url of a running server"
     ]
+
+
+def test_launch_defaults_give_way_to_the_users_flags():
+    assert launch_args("") == [
+        "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm", "--enforce-eager", "--kv-cache-memory-bytes", "1G",
+    ]  # fmt: skip
+    assert launch_args("--gpu-memory-utilization 0.5 --dtype=bfloat16 --no-enforce-eager") == [
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--gpu-memory-utilization", "0.5", "--dtype=bfloat16", "--no-enforce-eager",
+    ]  # fmt: skip
+
+
+def completion(prompt, tokens, logprobs, finish="stop", echoed=None) -> dict:
+    """A /v1/completions reply as vLLM 0.32 shapes it (return_token_ids, logprobs=0)."""
+    return {"choices": [{
+        "index": 0, "finish_reason": finish, "token_ids": tokens,
+        "prompt_token_ids": prompt if echoed is None else echoed,
+        "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs},
+    }]}  # fmt: skip
+
+
+def test_completion_replies_are_read_and_checked(tmp_path):
+    cfg = EngineConfig(rollout_engine="vllm", rollout_url=["http://127.0.0.1:9"],
+                       rollout_weights_dir=str(tmp_path / "w"))  # fmt: skip
+    engine = VLLMEngine(cfg, vocab_size=50, eos_id=2, model_dir="unused", log=print)
+    engine.weight_version = 7
+    try:
+        validate = engine._validator([1, 5, 6], SamplingParams(max_new_tokens=4))
+        done = validate(completion([1, 5, 6], [9, 2], [-0.5, -0.25]))
+        assert (done.response_ids, done.logprobs, done.finished, done.weight_version) == (
+            [9, 2], [-0.5, -0.25], True, 7)  # fmt: skip
+        cut = validate(completion([1, 5, 6], [9, 9, 9, 9], [-1.0] * 4, finish="length"))
+        assert not cut.finished
+        for reply, why in (
+            (completion([1, 5, 6], [9, 2], [-0.5, -0.25], echoed=[5, 6]), "another prompt"),
+            (completion([1, 5, 6], [9, 2], [-0.5]), "2 tokens, 1 log-probs"),
+            (completion([1, 5, 6], [9, 77], [-0.5, -0.25]), "outside the vocabulary"),
+            (completion([1, 5, 6], [9, 2], [-0.5, 0.3]), "finite number <= 0"),
+            (completion([1, 5, 6], [9, 2], [-0.5, -0.25], finish="abort"), "finish_reason"),
+            ({"choices": []}, "malformed"),
+        ):
+            with pytest.raises(BadReply, match=why):
+                validate(reply)
+    finally:
+        engine.close()
+
+
+def test_weights_for_vllm_have_their_own_lm_head(tiny_hf, tmp_path):
+    """vLLM's in-place reload skips a tied head; the directory it reloads from unties it."""
+    from transformers import AutoModelForCausalLM
+
+    from mileage.rollout.engines.vllm import untie_on_disk
+    from mileage.rollout.engines.weights import DiskWeights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings
+    with torch.no_grad():
+        model.get_input_embeddings().weight.add_(0.5)  # a trained step moves the tied matrix
+    weights = DiskWeights(str(tmp_path / "w"))
+    path = weights.write(model)
+    untie_on_disk(model, path)
+    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert not reloaded.config.tie_word_embeddings
+    assert "lm_head.weight" in load_file(path / "model.safetensors")
+    assert torch.equal(reloaded.lm_head.weight, model.get_input_embeddings().weight)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)

