@@ -112,7 +112,9 @@ def test_readme_real_model_commands_run_as_written(chat_hf, tmp_path, mileage_ho
         if "--num-epoch" in argv:  # 2 passes over 8 prompts, 4 per rollout
             assert [r["rollout_id"] for r in records] == [0, 1, 2, 3]
             trainer = json.loads((tmp_path / save / "iter_0000003/trainer_state.json").read_text())
-            assert trainer["data"] == {"epoch": 2, "offset": 0, "shuffle": False, "size": 8}
+            assert {k: v for k, v in trainer["data"].items() if k != "digest"} == {
+                    "epoch": 2, "offset": 0, "shuffle": False, "size": 8
+                }  # fmt: skip
         else:
             assert [r["rollout_id"] for r in records] == [0, 1]
         if "--eval-prompt-data" in argv:  # before training and after the last rollout

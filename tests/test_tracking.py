@@ -33,6 +33,8 @@ def train_args(tiny_hf, save: Path, wandb_dir: Path, num_rollout: int) -> list:
         *("--wandb-project", "mileage-test", "--wandb-group", "kills", "--use-tensorboard"),
         "--weight-decay",
         "0.1",
+        # a constant LR: the resumed run raises --num-rollout, which would stretch a decay
+        *("--lr-decay-style", "constant"),
     )
 
 
