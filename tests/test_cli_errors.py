@@ -94,7 +94,7 @@ def bad_inputs(tmp_path):
         ),
         "missing hf checkpoint": (
             ["--hf-checkpoint", tmp_path / "no_model"],
-            "no_model has no config.json",
+            "no_model does not exist; --hf-checkpoint must be a Hugging Face model directory",
         ),
         "both num flags": (
             ["--num-rollout", "3", "--num-epoch", "1"],
