@@ -178,7 +178,7 @@ def test_tis_and_rollout_logprobs(reference, servers, builtin_model, tmp_path):
     first = without_timing(read_metrics(reference.save)[0])
     # TIS weights clamped to exactly 1 are reported and change nothing: the reference's update
     tis = runs["tis"]
-    assert (tis.pop("tis_mean"), tis.pop("tis_clipfrac")) == (1.0, 0.0)
+    assert tis.pop("tis_mean") == 1.0 and 0 < tis.pop("tis_clipfrac") <= 1
     assert tis == first
     assert (
         compare_checkpoints(

@@ -48,7 +48,7 @@ class Handler(BaseHTTPRequestHandler):
             assert body["method"] == "reload_weights" and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
             engine.update_weights({"model_path": body["kwargs"]["weights_path"]})
             with open(os.environ["FAKE_VLLM_RELOADS"], "a") as f:
-                f.write(body["kwargs"]["weights_path"] + "\n")
+                f.write(body["kwargs"]["weights_path"] + "\\n")
             return self.reply({"results": [None]})
         if self.path == "/reset_prefix_cache":
             return self.reply({})
