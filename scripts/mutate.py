@@ -36,6 +36,9 @@ CRASH = "tests/test_crash_anywhere.py"
 FAULTS = "tests/test_save_faults.py"
 PREEMPT = "tests/test_preemption.py"
 LOSS = "tests/test_loss_reference.py"
+ENGINES = "tests/test_engines.py"
+VLLM = "tests/test_engines_vllm.py"
+SERVE = "tests/test_serve.py"
 SYNC_FAULT_CHAIN = (
     "test_a_failed_save_anywhere_in_the_commit_stops_cleanly_and_the_rerun_is_exact[sync]"
 )
@@ -263,6 +266,58 @@ MUTANTS = [
         '        diffs = config_differences(meta["model_config"], model_config)',
         "        diffs = []",
         (PPO_PLAN,),
+    ),
+    Mutant(
+        "stale-samples-accepted",
+        "samples of an older weight version than the engine's are trained on",
+        "mileage/rollout/rollout.py",
+        "    if stale:\n",
+        "    if False:\n",
+        (f"{ENGINES}::test_samples_of_an_older_weight_version_are_refused",),
+    ),
+    Mutant(
+        "engine-not-synced-after-training",
+        "the servers never get the weights of a training step (they keep the start's)",
+        "mileage/loop.py",
+        "            stats = {**run.actor.train_rollout(batch), **mismatch}\n            sync_engine(run)\n",
+        "            stats = {**run.actor.train_rollout(batch), **mismatch}\n",
+        (
+            f"{ENGINES}::test_two_rollouts_on_two_servers_learn_and_the_servers_follow_the_weights",
+            f"{VLLM}::test_launched_server_trains_with_weight_sync_and_is_stopped",
+        ),
+    ),
+    Mutant(
+        "row-seed-constant",
+        "a remote engine sends every row of a rollout the same sampling seed",
+        "mileage/rollout/engines/base.py",
+        'return derive_seed(self.seed, f"rollout/{self.rollout_id}/sample", row)',
+        'return derive_seed(self.seed, f"rollout/{self.rollout_id}/sample", 0)',
+        (
+            f"{ENGINES}::test_two_rollouts_on_two_servers_learn_and_the_servers_follow_the_weights",
+            f"{ENGINES}::test_one_server_draws_the_samples_of_two",
+        ),
+    ),
+    Mutant(
+        "server-ignores-row-seed",
+        "mileage serve draws each row from its own random seed, not the request's sampling_seed",
+        "mileage/serve.py",
+        "generators = [torch.Generator().manual_seed(seed) for seed in seeds]",
+        "generators = [torch.Generator().manual_seed(torch.seed()) for seed in seeds]",
+        (
+            f"{ENGINES}::test_one_server_draws_the_samples_of_two",
+            f"{ENGINES}::test_resume_through_mileage_serve_is_bit_exact",
+        ),
+    ),
+    Mutant(
+        "rollout-retries-disabled",
+        "a failed generate request is never retried on another server",
+        "mileage/rollout/engines/http.py",
+        "        for _ in range(self.attempts):\n",
+        "        for _ in range(1):\n",
+        (
+            f"{ENGINES}::test_a_faulty_server_is_retried_on_the_other",
+            f"{ENGINES}::test_when_every_try_fails_the_run_stops_and_a_rerun_continues",
+        ),
     ),
 ]
 

@@ -1,149 +1,299 @@
 """`mileage train` with rollout on `mileage serve` servers through the SGLang client engine:
-two servers, an exact resume after kills, and servers that die, hang or answer garbage."""
+two servers, servers that follow the trained weights, an exact resume after kills, and servers
+that die, hang or answer garbage.
+
+Every run trains the built-in model, whose rewards vary within groups: the weights move, so a
+comparison of two runs fails when weight sync, seeding or resume is broken (on a model whose
+gradients are all 0, every run would end with the starting weights). The servers are started
+once for the module; each run syncs its own weights to them when it starts.
+"""
 
 from __future__ import annotations
 
+import json
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
 import pytest
-from conftest import fast_train_args
+import torch
+from conftest import assert_learned, builtin_train_args, fast_train_args
 
-from mileage.checkpoint.layout import checkpoint_path, read_tracker
-from mileage.checkpoint.store import verify_checkpoint
-from mileage.metrics import read_metrics
-from mileage.testing.compare import compare_runs
+from mileage.checkpoint.layout import checkpoint_path, read_tracker, scan_dir
+from mileage.checkpoint.store import MODEL_DIR, load_tensors, verify_checkpoint
+from mileage.cli.main import main
+from mileage.errors import UserError
+from mileage.metrics import TIMING_KEYS, read_metrics
+from mileage.models.hf import load_causal_lm, load_tokenizer
+from mileage.rollout.data import Prompt
+from mileage.rollout.engine import LocalEngine, SamplingParams
+from mileage.rollout.engines.http import post_json
+from mileage.rollout.rewards import exact_reward
+from mileage.rollout.rollout import PromptEncoder, generate_samples
+from mileage.testing.compare import compare_checkpoints, compare_runs
 from mileage.testing.crash import Kill, outcome_table, run_uninterrupted, run_with_kills
-from mileage.testing.servers import start_servers
+from mileage.testing.servers import ServeProcess, start_servers
 
-# two optimizer steps per rollout, so a kill can land between them
-TRAIN = ["--global-batch-size", "8", "--rollout-shuffle", "--lr", "1e-3"]
+# 32 samples a rollout in two optimizer steps, so a kill can land between them
+TRAIN = builtin_train_args("--global-batch-size", "16", "--rollout-shuffle")
+# the engine's log-probs against the trainer's recomputed ones: the same arithmetic on the same
+# weights agrees to float rounding; the weights of the rollout before are off by ~1e-2
+MISMATCH_TOLERANCE = 1e-4
+PROBE_SEED = 77
 
 
-def engine_args(urls, *extra: str) -> list[str]:
+def train_args(urls, num_rollout: int, *extra: str) -> list[str]:
     flags = ["--rollout-engine", "sglang", "--rollout-timeout", "8", "--rollout-sync-timeout", "8"]
     for url in urls:
         flags += ["--rollout-url", url]
-    return [*flags, *extra]
+    return [*TRAIN, *flags, "--num-rollout", str(num_rollout), *extra]
 
 
-def train_args(tiny_hf, urls, num_rollout: int, *extra: str) -> list[str]:
-    return [
-        *fast_train_args(tiny_hf, *TRAIN, *engine_args(urls, *extra)),
-        "--num-rollout",
-        str(num_rollout),
-    ]
+# a server per fault test: the n-th /generate request it gets dies, hangs or answers garbage
+FAULTS = ("die:3", "hang:3", "garbage:3", "die:9")
+
+
+@dataclass
+class Servers:
+    healthy: list[ServeProcess]  # ready
+    faulty: dict[str, ServeProcess]  # started, maybe not ready yet: `wait_ready` first
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.healthy]
 
 
 @pytest.fixture(scope="module")
-def healthy(tiny_hf):
-    servers = start_servers(tiny_hf, 2)
-    yield [s.url for s in servers]
-    for s in servers:
-        s.stop()
+def servers(builtin_model):
+    healthy = start_servers(builtin_model, 2)
+    # started now, they load while the reference run trains instead of when their test comes
+    faulty = {f: ServeProcess(builtin_model, {"MILEAGE_SERVE_FAULT": f}) for f in FAULTS}
+    yield Servers(healthy, faulty)
+    for server in [*healthy, *faulty.values()]:
+        server.stop()
+
+
+def probe_prompt(model_dir: Path) -> list[int]:
+    return load_tokenizer(model_dir)("12+34=")["input_ids"]
+
+
+def probe_server(url: str, prompt: list[int]) -> dict:
+    """What a server holds now: its weight version and its seeded sample of `prompt`."""
+    with urllib.request.urlopen(url + "/get_model_info", timeout=30) as reply:
+        version = json.loads(reply.read())["weight_version"]
+    params = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "sampling_seed": PROBE_SEED}
+    out = post_json(
+        url + "/generate",
+        {"input_ids": [prompt], "sampling_params": [params], "return_logprob": True},
+        timeout=60,
+    )[0]
+    pairs = out["meta_info"]["output_token_logprobs"]
+    return {"version": version, "tokens": [p[1] for p in pairs], "logprobs": [p[0] for p in pairs]}
+
+
+def local_sample(model: torch.nn.Module, model_dir: Path, prompt: list[int]):
+    tokenizer = load_tokenizer(model_dir)
+    engine = LocalEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    generator = torch.Generator().manual_seed(PROBE_SEED)
+    (done,) = engine.generate([prompt], SamplingParams(4, 1.0, 1.0), [generator])
+    return done.response_ids, done.logprobs
+
+
+def checkpoint_model(model_dir: Path, save: Path) -> torch.nn.Module:
+    """The HF model with the weights of the checkpoint the tracker of `save` names."""
+    model = load_causal_lm(model_dir)
+    tensors = load_tensors(checkpoint_path(save, read_tracker(save).iteration) / MODEL_DIR)
+    result = model.load_state_dict(tensors, strict=False)
+    assert not result.unexpected_keys and len(tensors) > 0
+    return model.eval()
+
+
+@dataclass
+class Reference:
+    save: Path
+    served: list[dict]  # each server's `probe_server` right after the run
 
 
 @pytest.fixture(scope="module")
-def reference(healthy, tiny_hf, tmp_path_factory):
-    """Two rollouts through two healthy servers, saved after each."""
+def reference(servers, builtin_model, tmp_path_factory):
+    """Two rollouts through two servers, saved after each; then what the servers serve."""
     save = tmp_path_factory.mktemp("reference") / "run"
-    run_uninterrupted(train_args(tiny_hf, healthy, 2), save)
-    return save
+    run_uninterrupted(train_args(servers.urls, 2), save)
+    assert_learned(save, builtin_model)
+    prompt = probe_prompt(builtin_model)
+    return Reference(save, [probe_server(url, prompt) for url in servers.urls])
 
 
-def test_two_rollouts_on_two_servers(reference, cli, tiny_hf, healthy, tmp_path):
-    records = read_metrics(reference)
+def test_two_rollouts_on_two_servers_learn_and_the_servers_follow_the_weights(
+    reference, builtin_model
+):
+    records = read_metrics(reference.save)
     assert [r["rollout_id"] for r in records] == [0, 1]
-    # the trainer recomputed the engine's log-probs: same arithmetic, so nearly equal
-    assert all(0 <= r["logprob_abs_diff"] < 1e-4 for r in records)
-    # the same run with one server gives the same tensors: samples do not depend on the server
+    # each rollout was generated by the weights the trainer had: the servers got every update
+    assert all(0 <= r["logprob_abs_diff"] < MISMATCH_TOLERANCE for r in records), records
+    # after the run both servers hold the last version, and sample exactly what the trained
+    # weights sample, which is not what the starting weights sample
+    prompt = probe_prompt(builtin_model)
+    trained = local_sample(checkpoint_model(builtin_model, reference.save), builtin_model, prompt)
+    start = local_sample(load_causal_lm(builtin_model).eval(), builtin_model, prompt)
+    for served in reference.served:
+        assert served["version"] == str(records[-1]["global_step"])
+        assert served["tokens"] == trained[0]
+        assert max(abs(a - b) for a, b in zip(served["logprobs"], trained[1], strict=True)) < 1e-5
+        moved = [abs(a - b) for a, b in zip(served["logprobs"], start[1], strict=False)]
+        assert served["tokens"] != start[0] or max(moved) > 1e-3, (served, start)
+
+
+def test_one_server_draws_the_samples_of_two(reference, servers, builtin_model, tmp_path):
     one = tmp_path / "one"
-    done = cli("train", *train_args(tiny_hf, healthy[:1], 2), "--save", one, "--save-interval", 1)
-    assert done.returncode == 0, done.stderr
-    assert compare_runs(reference, one) == []
+    run_uninterrupted(train_args(servers.urls[1:], 2), one)
+    assert_learned(one, builtin_model)
+    assert compare_runs(reference.save, one) == []
 
 
-def test_tis_and_rollout_logprobs_change_the_update(cli, tiny_hf, healthy, tmp_path):
+def same_as_reference(reference: Path, save: Path) -> list[str]:
+    """Differences between `save` and the first rollouts of the reference run."""
+    diffs = []
+    for rollout_id in scan_dir(save).complete_ids:
+        diffs += compare_checkpoints(
+            checkpoint_path(reference, rollout_id), checkpoint_path(save, rollout_id)
+        )
+    records = [without_timing(r) for r in read_metrics(save)]
+    if records != [without_timing(r) for r in read_metrics(reference)][: len(records)]:
+        diffs.append("metrics differ")
+    return diffs
+
+
+def without_timing(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in TIMING_KEYS}
+
+
+def test_tis_and_rollout_logprobs(reference, servers, builtin_model, tmp_path):
     runs = {}
     for name, extra in {"tis": ["--use-tis", "--tis-clip", "1.0", "--tis-clip-low", "1.0"],
                         "rollout": ["--use-rollout-logprobs"]}.items():  # fmt: skip
-        done = cli("train", *train_args(tiny_hf, healthy, 1, *extra), "--save", tmp_path / name)
-        assert done.returncode == 0, done.stderr
-        runs[name] = read_metrics(tmp_path / name)[0]
-    # clamped to exactly 1 the weights change nothing but are reported
-    assert runs["tis"]["tis_mean"] == 1.0 and "tis_mean" not in runs["rollout"]
-    bad = cli("train", *train_args(tiny_hf, healthy, 1, "--use-tis", "--use-rollout-logprobs"))
-    assert bad.returncode == 2 and "--use-tis" in bad.stderr
+        run_uninterrupted(train_args(servers.urls, 1, *extra), tmp_path / name)
+        assert_learned(tmp_path / name, builtin_model)
+        runs[name] = without_timing(read_metrics(tmp_path / name)[0])
+    first = without_timing(read_metrics(reference.save)[0])
+    # TIS weights clamped to exactly 1 are reported and change nothing: the reference's update
+    tis = runs["tis"]
+    assert tis.pop("tis_mean") == 1.0 and 0 < tis.pop("tis_clipfrac") <= 1
+    assert tis == first
+    assert (
+        compare_checkpoints(
+            checkpoint_path(reference.save, 0), checkpoint_path(tmp_path / "tis", 0)
+        )
+        == []
+    )
+    # the engine's log-probs as the old policy: the same samples, another update
+    rollout = runs["rollout"]
+    assert "tis_mean" not in rollout
+    assert rollout["prompt_indices"] == first["prompt_indices"]
+    assert rollout["reward_mean"] == first["reward_mean"]
+    assert rollout["logprob_abs_diff"] == first["logprob_abs_diff"]
+    assert rollout != first
 
 
-def test_resume_through_mileage_serve_is_bit_exact(healthy, tiny_hf, tmp_path):
-    args = train_args(tiny_hf, healthy, 3)
-    reference = tmp_path / "reference"
-    run_uninterrupted(args, reference)
+def test_resume_through_mileage_serve_is_bit_exact(reference, servers, tmp_path):
+    # the servers in the other order: request i starts on the other server than in the reference
+    args = train_args(servers.urls[::-1], 2)
     kills = [
-        Kill.at("rollout_start"),
         Kill.at("after_generate"),
         Kill.at("optimizer_step", 2),  # between the two optimizer steps of rollout 0
         Kill.at("save_after_model"),
-        Kill.at("after_train", 2),  # after the new weights went to the servers
+        Kill.at("after_train", 2),  # rollout 1's weights are on the servers, not in a checkpoint
         Kill.at("commit_before_tracker"),
         Kill.at("after_metrics"),
     ]
     outcomes = run_with_kills(args, tmp_path / "killed", kills)
     table = outcome_table(outcomes)
     assert [o.status for o in outcomes] == ["killed"] * len(kills), table
+    assert [o.tracker for o in outcomes] == [None, None, None, 0, 0, 0], table
     assert all(o.resumed and not o.problems for o in outcomes), table
-    assert compare_runs(reference, tmp_path / "killed") == [], table
+    assert compare_runs(reference.save, tmp_path / "killed") == [], table
 
 
-@pytest.mark.parametrize("fault", ["die:3", "hang:3", "garbage:3"])
-def test_a_faulty_server_is_retried_on_the_other(fault, reference, tiny_hf, tmp_path, cli):
-    # the third /generate request of the faulty server is in rollout 1
-    faulty = start_servers(tiny_hf, 1, env={"MILEAGE_SERVE_FAULT": fault})
-    good = start_servers(tiny_hf, 1)
-    try:
-        save = tmp_path / "run"
-        urls = [faulty[0].url, good[0].url]
-        done = cli("train", *train_args(tiny_hf, urls, 2), "--save", save, "--save-interval", 1)
-        assert done.returncode == 0, done.stderr
-        if fault.startswith("die"):
-            assert not faulty[0].alive()
-        assert compare_runs(reference, save) == []  # the retried groups drew the same samples
-    finally:
-        for s in faulty + good:
-            s.stop()
+@pytest.mark.parametrize(
+    ("fault", "num_rollout"),
+    # the third /generate request of the faulty server is in rollout 0; a dead server also
+    # misses the weight sync, and rollout 1 runs without it
+    [("die:3", 2), ("hang:3", 1), ("garbage:3", 1)],
+)
+def test_a_faulty_server_is_retried_on_the_other(fault, num_rollout, reference, servers, tmp_path):
+    faulty = servers.faulty[fault]
+    faulty.wait_ready()
+    save = tmp_path / "run"
+    run_uninterrupted(train_args([faulty.url, servers.urls[0]], num_rollout), save)
+    if fault.startswith("die"):
+        assert not faulty.alive()
+    assert read_tracker(save).iteration == num_rollout - 1
+    # the retried groups drew the same samples
+    assert same_as_reference(reference.save, save) == []
 
 
 def test_when_every_try_fails_the_run_stops_and_a_rerun_continues(
-    reference, tiny_hf, tmp_path, cli
+    reference, servers, tmp_path, cli
 ):
     save = tmp_path / "run"
-    (dying,) = start_servers(tiny_hf, 1, env={"MILEAGE_SERVE_FAULT": "die:5"})  # rollout 1
-    try:
-        args = train_args(tiny_hf, [dying.url], 2, "--rollout-attempts", "2")
-        failed = cli("train", *args, "--save", save, "--save-interval", 1)
-    finally:
-        dying.stop()
+    # one server, 8 requests a rollout: its 9th request is rollout 1's first
+    dying = servers.faulty["die:9"]
+    dying.wait_ready()
+    args = train_args([dying.url], 2, "--rollout-attempts", "2")
+    failed = cli("train", *args, "--save", save, "--save-interval", 1)
     assert failed.returncode == 2
     lines = failed.stderr.strip().splitlines()
     assert lines[-1].startswith("mileage: error: sglang rollout: /generate failed after 2 tries")
     assert "Traceback" not in failed.stderr
     assert read_tracker(save).iteration == 0
     assert verify_checkpoint(checkpoint_path(save, 0)) == []
-    (fresh,) = start_servers(tiny_hf, 1)
-    try:
-        again = cli("train", *train_args(tiny_hf, [fresh.url], 2), "--save", save,
-                    "--load", save, "--save-interval", 1)  # fmt: skip
-    finally:
-        fresh.stop()
+    again = cli("train", *train_args(servers.urls[:1], 2), "--save", save, "--load", save,
+                "--save-interval", 1)  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert "resume at rollout 1" in again.stdout
-    assert compare_runs(reference, save) == []
+    assert compare_runs(reference.save, save) == []
 
 
-def test_engine_flags_are_checked(cli, tiny_hf):
-    for args, message in [
+class LaggingEngine(LocalEngine):
+    """Reports the version it was given but answers with the previous one's samples, as a
+    server whose reload has not finished would."""
+
+    def generate(self, prompts, params, seed=None, group_size=1):
+        done = super().generate(prompts, params, seed, group_size)
+        return [replace(c, weight_version=self.weight_version - 1) for c in done]
+
+
+def test_samples_of_an_older_weight_version_are_refused(tiny_hf):
+    tokenizer = load_tokenizer(tiny_hf)
+    engine = LaggingEngine(load_causal_lm(tiny_hf), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    engine.update_weights(engine.model, 5)
+    prompts = [Prompt(0, "1+1=", "2"), Prompt(1, "2+2=", "4")]
+    encode = PromptEncoder(tokenizer, chat_template=False)
+    with pytest.raises(UserError, match="weight version 4, expected 5; refusing to train"):
+        generate_samples(engine, encode, prompts, SamplingParams(3), 2, exact_reward, 1, 7)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
         (["--rollout-engine", "sglang"], "needs --rollout-url"),
         (["--rollout-url", "http://127.0.0.1:1"], "needs --rollout-engine"),
         (["--rollout-engine", "sglang", "--rollout-url", "localhost:1"], "http://"),
-    ]:
-        done = cli("train", *fast_train_args(tiny_hf, *args))
-        assert done.returncode == 2 and message in done.stderr, done.stderr
-        assert done.stderr.count("\n") == 1
+        (
+            [
+                "--rollout-engine",
+                "sglang",
+                "--rollout-url",
+                "http://127.0.0.1:1",
+                "--use-tis",
+                "--use-rollout-logprobs",
+            ],
+            "--use-tis corrects",
+        ),  # fmt: skip
+    ],
+)
+def test_engine_flags_are_checked(args, message, tiny_hf, capsys, mileage_home):
+    code = main(["train", *fast_train_args(tiny_hf, *args, "--num-rollout", "1")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert err.count("\n") == 1 and err.startswith("mileage: error: ")

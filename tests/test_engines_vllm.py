@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, fast_train_args
+from conftest import REPO, assert_learned, builtin_train_args, fast_train_args
 from safetensors.torch import load_file
 
 from mileage.metrics import read_metrics
@@ -53,8 +53,9 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/collective_rpc":
             assert body["method"] == "reload_weights" and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
-            calls.append(body["kwargs"]["weights_path"])
             engine.update_weights({"model_path": body["kwargs"]["weights_path"]})
+            with open(os.environ["FAKE_VLLM_RELOADS"], "a") as f:
+                f.write(body["kwargs"]["weights_path"] + "\\n")
             return self.reply({"results": [None]})
         if self.path == "/reset_prefix_cache":
             return self.reply({"success": True})
@@ -87,6 +88,7 @@ def fake_vllm(tmp_path) -> dict[str, str]:
     return {
         "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{REPO}",
         "FAKE_VLLM_PIDS": str(pids),
+        "FAKE_VLLM_RELOADS": str(tmp_path / "reloads.txt"),
     }
 
 
@@ -117,14 +119,24 @@ def wait_dead(pids: list[int], timeout: float = 30.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def test_launched_server_trains_with_weight_sync_and_is_stopped(cli, tiny_hf, fake_vllm, tmp_path):
-    done = cli("train", *vllm_args(tiny_hf), "--num-rollout", "2", "--save", tmp_path / "run",
-               env=fake_vllm)  # fmt: skip
+def test_launched_server_trains_with_weight_sync_and_is_stopped(
+    cli, builtin_model, fake_vllm, tmp_path
+):
+    # the built-in model learns, so each sync hands the server other weights than it has
+    save = tmp_path / "run"
+    args = builtin_train_args("--rollout-engine", "vllm", "--vllm-python", sys.executable,
+                              "--vllm-start-timeout", "120", "--global-batch-size", "16")  # fmt: skip
+    done = cli("train", *args, "--num-rollout", "2", "--save", save, env=fake_vllm)
     assert done.returncode == 0, done.stderr
     assert "launching vLLM on http://127.0.0.1:" in done.stdout
-    records = read_metrics(tmp_path / "run")
+    assert_learned(save, builtin_model)
+    records = read_metrics(save)
     assert [r["rollout_id"] for r in records] == [0, 1]
-    assert all(r["logprob_abs_diff"] < 1e-4 for r in records)
+    # rollout 1 was sampled with rollout 0's trained weights: the server reloaded them
+    assert all(r["logprob_abs_diff"] < 1e-4 for r in records), records
+    # one reload when the run starts and one after each rollout's training
+    reloads = Path(fake_vllm["FAKE_VLLM_RELOADS"]).read_text().splitlines()
+    assert len(reloads) == 3
     pids = server_pids(fake_vllm)
     assert len(pids) == 2 and wait_dead(pids) == []
 
