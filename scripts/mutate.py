@@ -39,6 +39,9 @@ LOSS = "tests/test_loss_reference.py"
 ENGINES = "tests/test_engines.py"
 VLLM = "tests/test_engines_vllm.py"
 SERVE = "tests/test_serve.py"
+DIST = "tests/test_distributed.py"
+DIST_CHAIN = f"{DIST}::test_n2_kills_resume_to_the_uninterrupted_tensors_and_metrics"
+DIST_N1 = f"{DIST}::test_n2_checkpoint_resumes_at_n1_exactly_and_trains_like_n2_on_the_same_samples"
 SYNC_FAULT_CHAIN = (
     "test_a_failed_save_anywhere_in_the_commit_stops_cleanly_and_the_rerun_is_exact[sync]"
 )
@@ -318,6 +321,80 @@ MUTANTS = [
             f"{ENGINES}::test_a_faulty_server_is_retried_on_the_other",
             f"{ENGINES}::test_when_every_try_fails_the_run_stops_and_a_rerun_continues",
         ),
+    ),
+    # ---- torchrun + FSDP2 (mileage/distributed/); each names the cheapest test that catches it
+    Mutant(
+        "dist-groups-sampled-twice",
+        "at N=2 every rank samples the first share of the groups: the gathered rollout repeats "
+        "them and misses the rest",
+        "mileage/distributed/rollout.py",
+        "        for group in env.share(groups):\n",
+        "        for group in env.share(groups, index=0):\n",
+        (f"{DIST}::test_n2_samples_answer_the_prompts_of_their_group_and_cover_every_group",),
+    ),
+    Mutant(
+        "dist-generation-weights-stale",
+        "the ranks' full-weight copy for generation is never refreshed after an update",
+        "mileage/distributed/rollout.py",
+        "        copy_full_weights(model, self.engine.model)\n",
+        "",
+        (DIST_CHAIN,),
+    ),
+    Mutant(
+        "dist-optimizer-loaded-unsharded",
+        "a resume at N=2 loads each optimizer tensor whole instead of as its parameter's shard",
+        "mileage/checkpoint/store.py",
+        "                targets[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)\n",
+        "                targets[name] = torch.empty(meta.size, dtype=dtype)\n",
+        (DIST_CHAIN,),
+    ),
+    Mutant(
+        "dist-data-position-rank-0-only",
+        "a resume at N=2 restores the data position on rank 0 only",
+        "mileage/components.py",
+        "    if plan.load_data_state:\n",
+        "    if plan.load_data_state and env.is_main():\n",
+        (DIST_CHAIN,),
+    ),
+    Mutant(
+        "dist-gradients-averaged",
+        "FSDP averages gradients over ranks instead of summing them (half the N=1 gradient)",
+        "mileage/distributed/parallelize.py",
+        "        module.set_gradient_divide_factor(1.0)\n",
+        "",
+        (DIST_N1,),
+    ),
+    Mutant(
+        "dist-micro-batches-overlap",
+        "every rank trains on the first rank's share of the global batch",
+        "mileage/distributed/env.py",
+        "    mine = share(global_batch)\n",
+        "    mine = share(global_batch, index=0)\n",
+        (DIST_N1,),
+    ),
+    Mutant(
+        "dist-stats-from-rank-0",
+        "logged training statistics are rank 0's alone, not summed over ranks",
+        "mileage/distributed/env.py",
+        "    if not is_distributed():\n        return values\n    total",
+        "    if True:\n        return values\n    total",
+        (DIST_N1,),
+    ),
+    Mutant(
+        "dist-rng-of-rank-0-everywhere",
+        "every rank restores rank 0's global RNG state",
+        "mileage/distributed/checkpoint.py",
+        '    prefix = f"{RANK_PREFIX}{env.rank()}."\n',
+        '    prefix = f"{RANK_PREFIX}0."\n',
+        (f"{DIST}::test_rng_of_each_rank_round_trips_and_fewer_ranks_fall_back_to_rank_0",),
+    ),
+    Mutant(
+        "dist-lock-refusal-not-shared",
+        "when rank 0 cannot take the save directory's lock the other ranks are not told",
+        "mileage/distributed/coordination.py",
+        "    error = env.broadcast_object(error)\n",
+        "",
+        (f"{DIST}::test_second_torchrun_job_on_a_save_in_use_exits_2_on_every_rank",),
     ),
 ]
 

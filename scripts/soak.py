@@ -1,6 +1,7 @@
 """Crash-anywhere soak: many SIGKILLs at random named points and random instants.
 
     python scripts/soak.py --kills 200 --seed 0 --out docs/soak.md
+    python scripts/soak.py --nproc 2 --kills 100 --seed 0 --out docs/soak_distributed.md
 
 Runs chains of launches of one small `mileage train` command (sync or async saves, chosen per
 chain): each launch is killed at a random named fault point and hit (always one the remaining
@@ -8,6 +9,11 @@ run reaches) or after a random delay, the next launch resumes, and when the chai
 spent the command is rerun until it exits 0. Each finished chain is compared with an
 uninterrupted run of the same command, every checkpoint tensor with `torch.equal`. Prints one
 row per kill and a summary, and writes both as markdown with `--out`.
+
+With `--nproc N` every launch is `torchrun --nproc-per-node N --standalone -m mileage train`
+(sync saves only: --async-save is refused under torchrun). A named kill dies on one rank, drawn
+at random among those that reach the point (the commit after the shards runs on rank 0 alone);
+torchrun stops the others. A random-time kill SIGKILLs torchrun and every rank at once.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from mileage.checkpoint.layout import read_tracker
 from mileage.testing.compare import compare_runs, count_tensor_differences
 from mileage.testing.crash import (
     KILL_POINTS,
+    SAVE_POINTS,
     STEPS_PER_ROLLOUT,
     Kill,
     Outcome,
@@ -59,6 +66,14 @@ class Chain:
         return "async" if self.async_save else "sync"
 
 
+# under torchrun only these points are reached by every rank; the rest of the commit (after
+# the shards are written) runs on rank 0 alone
+EVERY_RANK_POINTS = frozenset(KILL_POINTS) - frozenset(SAVE_POINTS) | {
+    "save_after_model",
+    "save_after_optimizer",
+}
+
+
 class KillChooser:
     """Picks each next kill from what is left of the run, so that named kills are reached."""
 
@@ -70,7 +85,9 @@ class KillChooser:
         num_rollout: int,
         named_fraction: float,
         max_delay: float,
+        nproc: int = 1,
     ):
+        self.nproc = nproc
         self.rng, self.save, self.budget = rng, save, budget
         self.num_rollout, self.named_fraction, self.max_delay = (
             num_rollout,
@@ -90,7 +107,9 @@ class KillChooser:
         if self.rng.random() < self.named_fraction:
             point = self.rng.choice(KILL_POINTS)
             per_rollout = STEPS_PER_ROLLOUT if point == "optimizer_step" else 1
-            return Kill.at(point, self.rng.randint(1, max(1, left * per_rollout)))
+            hit = self.rng.randint(1, max(1, left * per_rollout))
+            ranks = self.nproc if point in EVERY_RANK_POINTS else 1
+            return Kill.at(point, hit, rank=self.rng.randrange(ranks))
         # a launch with less left to do finishes sooner: aim the delay at its lifetime
         horizon = self.max_delay * (0.5 + 0.5 * left / self.num_rollout)
         return Kill.after(round(self.rng.uniform(0.0, horizon), 2))
@@ -106,6 +125,7 @@ def run_chain(chain: Chain, options, workdir: Path, references: dict[bool, Path]
         options.num_rollout,
         options.named_fraction,
         options.max_delay_factor * references["seconds"],
+        options.nproc,
     )
     started = time.monotonic()
     chain.outcomes = run_with_kills(
@@ -114,6 +134,7 @@ def run_chain(chain: Chain, options, workdir: Path, references: dict[bool, Path]
         chooser,
         max_reruns=options.max_reruns,
         log=lambda line: log(f"chain {chain.number} ({chain.mode}): {line}"),
+        nproc=options.nproc,
     )
     chain.diffs = compare_runs(references[chain.async_save], save)
     chain.seconds = time.monotonic() - started
@@ -154,8 +175,11 @@ def report(chains: list[Chain], options, command: str, started: float, loads) ->
             resumed = "-" if o.launch is None else ("OK" if o.resumed else "FAILED")
             rollout = "-" if o.launch is None or o.rollout is None else o.rollout
             tracker = "-" if o.tracker is None else o.tracker
+            label = o.kill.label
+            if options.nproc > 1 and o.kill.point is not None:
+                label += f" (rank {o.kill.rank})"
             rows.append(
-                f"| {number} | {chain.number} | {chain.mode} | {o.kill.label} | {rollout} | "
+                f"| {number} | {chain.number} | {chain.mode} | {label} | {rollout} | "
                 f"{tracker} | {o.status} | {resumed} |"
             )
     outcomes = [o for chain in chains for o in chain.outcomes]
@@ -203,8 +227,10 @@ def report(chains: list[Chain], options, command: str, started: float, loads) ->
         f"Machine: {machine()}",
         "",
         *([options.note, ""] if options.note else []),
-        f"Run settings: `mileage train {' '.join(crash_run_args(options.num_rollout, False))} "
-        "[--async-save] --save D --load D --save-interval 1` (built-in model)",
+        f"Run settings: `{launcher(options.nproc)}mileage train "
+        f"{' '.join(crash_run_args(options.num_rollout, False))} "
+        f"{'' if options.nproc > 1 else '[--async-save] '}--save D --load D --save-interval 1` "
+        "(built-in model)",
         "",
         "## Summary",
         "",
@@ -215,6 +241,10 @@ def report(chains: list[Chain], options, command: str, started: float, loads) ->
         sections += ["## Problems", "", *problems, ""]
     sections += ["## Kills", "", *rows, ""]
     return "\n".join(sections)
+
+
+def launcher(nproc: int) -> str:
+    return f"torchrun --nproc-per-node {nproc} --standalone -m " if nproc > 1 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         help="random-time kills come within this many uninterrupted-run durations of launch",
     )
     parser.add_argument("--max-reruns", type=int, default=3)
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="processes per launch (torchrun above 1; sync saves)"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="chains run at the same time")
     parser.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     parser.add_argument("--keep", action="store_true", help="keep each chain's save directory")
@@ -250,19 +283,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.monotonic() - started:6.0f}s] {line}", flush=True)
 
     references: dict = {}
-    for async_save in (False, True):
+    modes = (False,) if options.nproc > 1 else (False, True)
+    for async_save in modes:
         done = run_uninterrupted(
-            crash_run_args(options.num_rollout, async_save), workdir / f"reference-{async_save}"
+            crash_run_args(options.num_rollout, async_save),
+            workdir / f"reference-{async_save}",
+            nproc=options.nproc,
         )
         references[async_save] = workdir / f"reference-{async_save}"
         references["seconds"] = max(references.get("seconds", 0.0), done.seconds)
         log(f"uninterrupted run ({'async' if async_save else 'sync'}): {done.seconds:.1f}s")
 
     rng = random.Random(options.seed)
+
+    def async_chain() -> bool:
+        drawn = rng.random() < 0.5  # drawn either way: --nproc leaves the seed's kills as they were
+        return drawn and options.nproc == 1
+
     chains, planned = [], 0
     while planned < options.kills:
         budget = min(options.kills - planned, rng.randint(4, options.max_kills_per_chain))
-        chains.append(Chain(len(chains) + 1, rng.random() < 0.5, budget))
+        chains.append(Chain(len(chains) + 1, async_chain(), budget))
         planned += budget
 
     def one(chain: Chain) -> Chain:
@@ -278,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         chains = []
         while spent < options.kills:
             budget = min(options.kills - spent, rng.randint(4, options.max_kills_per_chain))
-            chains.append(Chain(len(done_chains) + len(chains) + 1, rng.random() < 0.5, budget))
+            chains.append(Chain(len(done_chains) + len(chains) + 1, async_chain(), budget))
             spent += budget
 
     load_end = " ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -1,26 +1,37 @@
-"""torchrun + FSDP2 end to end, on 2 CPU ranks (gloo) with the built-in model.
+"""torchrun + FSDP2 end to end, on 2 CPU ranks (gloo) with the built-in model, which learns.
 
-One uninterrupted N=2 run is the reference. Against it: a crash chain at N=2 (SIGKILL of rank 0
-or rank 1 at named points, rerun of the same torchrun command, every tensor `torch.equal`), a
-resume at N=1, a reload-and-resave at N=1 and at N=2 (the loaded tensors must equal the saved
-ones bit for bit, and `ckpt ls` digests must not depend on the world size), SIGTERM, the lock.
-In-process tests cover the pure pieces (shares, micro-batches, the plan's world-size row).
+Every launch costs a few seconds of imports per process, so the file shares launches: one
+uninterrupted N=2 run of two rollouts (two optimizer steps each) is the reference, and it must
+have learned before anything is compared with it. Against it:
+- the crash chain at N=2: SIGKILL of rank 0 or rank 1 at 10 named points, rerun of the same
+  torchrun command (so every resume after the first commit is a resume at N=2), every tensor
+  `torch.equal`;
+- a resume at N=1 of its first checkpoint that replays its second rollout's samples: position
+  and LR continue exactly, and training on the same samples from the same weights gives the N=2
+  gradients and weights up to reduction order (FSDP's sum is the single-process gradient);
+- in process (no launch): a reload-and-resave at N=1 (the loaded tensors equal the saved ones
+  bit for bit, `ckpt ls` digests do not depend on the world size), `ckpt verify` and `export-hf`
+  of the N=2 checkpoint, the rollouts' samples against the prompts they are filed under.
+SIGTERM and the lock take one launch each. Longer soaks: `scripts/soak.py --nproc 2`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, assert_learned
+from safetensors.torch import load_file
 
 from mileage.checkpoint.layout import META, TRACKER, checkpoint_path, read_tracker
 from mileage.checkpoint.lock import SaveDirLock
@@ -28,14 +39,16 @@ from mileage.checkpoint.plan import RESUME, StartFlags, plan_start
 from mileage.checkpoint.store import (
     MODEL_DIR,
     OPTIMIZER_DIR,
+    RNG_FILE,
     TRAINER_STATE,
     load_tensors,
     verify_checkpoint,
 )
+from mileage.cli.main import main as mileage_main
 from mileage.distributed import env
 from mileage.distributed.checkpoint import gather_rng, rng_of_this_rank
 from mileage.metrics import METRICS_FILE, read_metrics
-from mileage.models.tiny import ensure_builtin_model
+from mileage.testing import resave
 from mileage.testing.compare import compare_runs, compare_tensors
 from mileage.testing.crash import (
     Kill,
@@ -47,26 +60,28 @@ from mileage.testing.crash import (
 )
 
 NPROC = 2
-# two optimizer steps per rollout (global batch 16 of 32 samples: 8 per rank), warmup then
-# cosine LR, shuffled prompts
+NUM_ROLLOUT = 2
+# the smallest run with two optimizer steps per rollout: 4 prompts x 4 samples (two groups per
+# rank), global batch 8 (4 per rank); warmup then cosine LR, shuffled prompts
 ARGS = [
-    "--num-rollout", "3",
-    "--rollout-batch-size", "8",
+    "--num-rollout", str(NUM_ROLLOUT),
+    "--rollout-batch-size", "4",
     "--n-samples-per-prompt", "4",
-    "--global-batch-size", "16",
+    "--global-batch-size", "8",
+    "--rollout-max-response-len", "4",
     "--lr-warmup-iters", "2",
     "--lr-decay-style", "cosine",
     "--rollout-shuffle",
     "--eval-interval", "0",
     "--num-threads", "1",
 ]  # fmt: skip
+ROLLOUTS = "rollouts/{rollout_id}.json"  # the reference's samples, under its parent directory
 
 # (kill, rollout it hits, tracker after it). Points inside the commit after the shards are
 # written run on rank 0 only; the others are aimed at either rank. A surviving rank runs on
 # until its next collective, so a kill of rank 1 is aimed where that cannot log a rollout.
 CHAIN = [
     (Kill.at("rollout_start", rank=1), 0, None),
-    (Kill.at("after_generate", rank=0), 0, None),
     (Kill.at("optimizer_step", rank=1), 0, None),
     (Kill.at("save_after_model", rank=1), 0, None),  # rank 1's shards written, rank 0's maybe
     (Kill.at("commit_before_rename", rank=0), 0, None),
@@ -86,49 +101,56 @@ def torchrun_env() -> dict[str, str]:
     return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="module")
-def builtin_model(mileage_home) -> Path:
-    with torch.random.fork_rng():
-        return ensure_builtin_model("addition")
-
-
-@pytest.fixture(scope="module")
-def reference(builtin_model, tmp_path_factory) -> Path:
-    save = tmp_path_factory.mktemp("dist_reference") / "run"
-    run_uninterrupted(ARGS, save, nproc=NPROC, env=torchrun_env(), timeout=300)
-    return save
-
-
-def resave(load: Path, save: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
-    """Load `load`'s checkpoint as a resume would, save it again at world size `nproc`."""
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
-    command = [
-        sys.executable,
-        *(launcher if nproc > 1 else []),
-        "-m",
-        "mileage.testing.resave",
-        *ARGS,
-        "--load", str(load),
-        "--save", str(save),
-        *extra,
-    ]  # fmt: skip
-    done = subprocess.run(
-        command,
+def run_train(args: list[str], save: Path, nproc: int = 1) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        train_command(args, save, nproc),
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, **torchrun_env()},
         cwd=REPO,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+
+
+def cli(capsys, *args: object) -> tuple[int, str, str]:
+    """`mileage ARGS` in this process (the checkpoint commands need no launch of their own)."""
+    capsys.readouterr()
+    code = mileage_main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@contextmanager
+def global_state_kept() -> Iterator[None]:
+    """Undo what an in-process run sets globally (RNG states, threads, determinism)."""
+    python_rng = random.getstate()
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        with torch.random.fork_rng():
+            yield
+    finally:
+        random.setstate(python_rng)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_model, tmp_path_factory) -> Path:
+    save = tmp_path_factory.mktemp("dist_reference") / "run"
+    samples = ["--save-debug-rollout-data", str(save.parent / ROLLOUTS)]
+    run_uninterrupted([*ARGS, *samples], save, nproc=NPROC, env=torchrun_env(), timeout=300)
+    # every comparison with this run is vacuous unless it changed the weights
+    assert_learned(save, builtin_model)
+    return save
 
 
 # ---------------------------------------------------------------- N=2 training and checkpoints
 
 
 def test_n2_run_writes_every_ranks_shards_and_commits_once(reference):
-    for rollout_id in range(3):
+    for rollout_id in range(NUM_ROLLOUT):
         path = checkpoint_path(reference, rollout_id)
         assert verify_checkpoint(path) == []
         for sub in (MODEL_DIR, OPTIMIZER_DIR):
@@ -137,18 +159,38 @@ def test_n2_run_writes_every_ranks_shards_and_commits_once(reference):
                 "__1_0.distcp",
             ]
         assert json.loads((path / META).read_text())["world_size"] == NPROC
-    assert read_tracker(reference).iteration == 2
+        assert set(load_file(str(path / RNG_FILE))) == {"torch_cpu", "rank1.torch_cpu"}
+    assert read_tracker(reference).iteration == NUM_ROLLOUT - 1
     records = read_metrics(reference)
-    assert [r["rollout_id"] for r in records] == [0, 1, 2]
-    assert [r["global_step"] for r in records] == [2, 4, 6]
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert [r["global_step"] for r in records] == [2, 4]
     assert not [p for p in reference.iterdir() if p.name.startswith(".staging")]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_reload_at_any_world_size_gives_the_saved_tensors_bit_for_bit(reference, tmp_path, nproc):
-    copy = tmp_path / f"resaved_{nproc}"
-    resave(reference, copy, nproc, "--ckpt-step", "1")
-    original, again = checkpoint_path(reference, 1), checkpoint_path(copy, 1)
+def test_n2_samples_answer_the_prompts_of_their_group_and_cover_every_group(
+    reference, builtin_model
+):
+    """Each rank samples its share of the groups; the gathered rollout holds every group once,
+    each sample generated from the prompt it is filed under."""
+    from mileage.models.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(builtin_model)
+    for record in read_metrics(reference):
+        rollout = reference.parent / ROLLOUTS.format(rollout_id=record["rollout_id"])
+        samples = json.loads(rollout.read_text())["samples"]
+        expected = [i for i in record["prompt_indices"] for _ in range(4)]
+        assert [s["prompt"]["index"] for s in samples] == expected
+        for sample in samples:
+            asked = tokenizer(sample["prompt"]["text"])["input_ids"]
+            assert sample["prompt_ids"] == asked, sample["prompt"]
+
+
+def test_n2_checkpoint_reloads_at_n1_bit_for_bit_with_equal_digests(reference, tmp_path, capsys):
+    copy = tmp_path / "resaved_at_1"
+    flags = [*ARGS, "--load", str(reference), "--save", str(copy), "--ckpt-step", "0"]
+    with global_state_kept():
+        assert resave.main(flags) == 0
+    original, again = checkpoint_path(reference, 0), checkpoint_path(copy, 0)
     for sub in (MODEL_DIR, OPTIMIZER_DIR):
         tensors = load_tensors(original / sub)
         assert len(tensors) > 10
@@ -156,42 +198,79 @@ def test_reload_at_any_world_size_gives_the_saved_tensors_bit_for_bit(reference,
     assert json.loads((again / TRAINER_STATE).read_text()) == json.loads(
         (original / TRAINER_STATE).read_text()
     )
-    assert json.loads((again / META).read_text())["world_size"] == nproc
-    listing = {}
+    assert json.loads((again / META).read_text())["world_size"] == 1
+    digests = []
     for save in (reference, copy):
-        out = subprocess.run(
-            [sys.executable, "-m", "mileage", "ckpt", "ls", str(save), "--json"],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=120,
-        )
-        rows = {row["rollout_id"]: row for row in json.loads(out.stdout)}
-        listing[save] = (rows[1]["model_digest"], rows[1]["optimizer_digest"])
-    assert listing[reference] == listing[copy]
-    assert None not in listing[copy]
+        code, out, err = cli(capsys, "ckpt", "ls", save, "--json")
+        assert code == 0, err
+        row = {r["rollout_id"]: r for r in json.loads(out)}[0]
+        digests.append((row["model_digest"], row["optimizer_digest"]))
+    assert digests[0] == digests[1]
+    assert None not in digests[0]
 
 
-def test_n2_checkpoint_resumes_at_n1_with_exact_position_and_lr(reference, tmp_path):
+def test_n2_checkpoint_resumes_at_n1_exactly_and_trains_like_n2_on_the_same_samples(
+    reference, builtin_model, tmp_path
+):
+    """Resume rollout 1 at N=1 from the N=2 checkpoint of rollout 0, replaying the samples N=2
+    trained on: position and LR continue exactly; the gradient and the weights are N=2's up to
+    the order of floating-point additions (an averaged or overlapping shard would be off by a
+    factor or a half batch)."""
     save = tmp_path / "at_n1"
     shutil.copytree(reference, save)
-    shutil.rmtree(checkpoint_path(save, 2))
-    (save / TRACKER).write_text("1\n")
-    done = subprocess.run(
-        train_command(ARGS, save),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **torchrun_env()},
-        cwd=REPO,
-    )
+    shutil.rmtree(checkpoint_path(save, 1))
+    (save / TRACKER).write_text("0\n")
+    replay = ["--load-debug-rollout-data", str(reference.parent / ROLLOUTS)]
+    done = run_train([*ARGS, *replay], save)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "world size changed: saved by 2 process(es), resuming with 1" in done.stdout
+    assert_learned(save, builtin_model)
     ours, theirs = read_metrics(save), read_metrics(reference)
-    assert [r["rollout_id"] for r in ours] == [0, 1, 2]
-    for key in ("prompt_indices", "lrs", "global_step"):
-        assert ours[2][key] == theirs[2][key], key
-    assert json.loads((checkpoint_path(save, 2) / META).read_text())["world_size"] == 1
+    assert [r["rollout_id"] for r in ours] == [0, 1]
+    for key in ("prompt_indices", "lrs", "global_step", "reward_mean", "response_len"):
+        assert ours[1][key] == theirs[1][key], key
+    for key in ("grad_norm", "entropy", "kl", "ratio"):
+        assert ours[1][key] == pytest.approx(theirs[1][key], rel=1e-4), key
+    ours_ckpt, theirs_ckpt = checkpoint_path(save, 1), checkpoint_path(reference, 1)
+    assert json.loads((ours_ckpt / META).read_text())["world_size"] == 1
+    mine, reference_weights = (
+        load_tensors(ours_ckpt / MODEL_DIR),
+        load_tensors(theirs_ckpt / MODEL_DIR),
+    )
+    assert mine.keys() == reference_weights.keys()
+    for name, value in mine.items():
+        # this rollout moves weights by up to ~1e-4; another summation order, by ~1e-8
+        torch.testing.assert_close(value, reference_weights[name], rtol=0, atol=1e-6)
+
+
+def test_n2_checkpoint_verifies_exports_and_a_damaged_rank_shard_is_named(
+    reference, builtin_model, tmp_path, capsys
+):
+    code, out, err = cli(capsys, "ckpt", "verify", reference)
+    assert code == 0, err
+    assert f"ok: {NUM_ROLLOUT} checkpoint(s) verified" in out
+
+    out_dir = tmp_path / "hf"
+    code, _, err = cli(
+        capsys, "export-hf", "--load", reference, "--hf-checkpoint", builtin_model, "--out", out_dir
+    )
+    assert code == 0, err
+    exported = {}
+    for file in out_dir.glob("*.safetensors"):
+        exported.update(load_file(str(file)))
+    saved = load_tensors(checkpoint_path(reference, NUM_ROLLOUT - 1) / MODEL_DIR)
+    assert exported.keys() >= saved.keys()
+    assert compare_tensors("export", saved, {k: exported[k] for k in saved}) == []
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(reference, damaged)
+    shard = checkpoint_path(damaged, NUM_ROLLOUT - 1) / OPTIMIZER_DIR / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, _, err = cli(capsys, "ckpt", "verify", damaged)
+    assert code == 1
+    assert "CORRUPT" in err and "__1_0.distcp" in err, err
 
 
 # ---------------------------------------------------------------- crash anywhere at N=2
@@ -200,13 +279,15 @@ def test_n2_checkpoint_resumes_at_n1_with_exact_position_and_lr(reference, tmp_p
 @pytest.fixture(scope="module")
 def chain(reference, tmp_path_factory) -> tuple[list[Outcome], list[str]]:
     save = tmp_path_factory.mktemp("dist_chain") / "run"
+
+    def next_kill(outcomes: list[Outcome]) -> Kill | None:
+        last = outcomes[-1] if outcomes else None
+        if last is not None and not last.died and last.problems:
+            return None  # a launch failed by itself: the chain is broken, stop spending launches
+        return CHAIN[len(outcomes)][0] if len(outcomes) < len(CHAIN) else None
+
     outcomes = run_with_kills(
-        ARGS,
-        save,
-        [kill for kill, _, _ in CHAIN],
-        nproc=NPROC,
-        env=torchrun_env(),
-        timeout=300,
+        ARGS, save, next_kill, max_reruns=2, nproc=NPROC, env=torchrun_env(), timeout=300
     )
     return outcomes, compare_runs(reference, save)
 
@@ -214,7 +295,7 @@ def chain(reference, tmp_path_factory) -> tuple[list[Outcome], list[str]]:
 def test_n2_kills_each_killed_a_rank_where_aimed(chain):
     outcomes, _ = chain
     table = outcome_table(outcomes)
-    assert len(CHAIN) >= 10
+    assert len(CHAIN) >= 10 and len(outcomes) == len(CHAIN), table
     assert [o.status for o in outcomes] == ["killed"] * len(CHAIN), table
     assert [(o.rollout, o.tracker) for o in outcomes] == [(r, t) for _, r, t in CHAIN], table
 
@@ -225,6 +306,8 @@ def test_n2_kills_resume_to_the_uninterrupted_tensors_and_metrics(chain):
     for outcome in outcomes:
         assert not outcome.problems, f"{outcome.kill.label}: {outcome.problems}\n{table}"
         assert outcome.intact and outcome.resumed, table
+    # after the first commit every launch resumed at N=2
+    assert [o.resumed_at for o in outcomes][len(CHAIN) // 2 :] == [1] * (len(CHAIN) // 2), table
     assert diffs == [], table
 
 
@@ -246,7 +329,7 @@ def test_sigterm_to_torchrun_saves_on_all_ranks_and_they_exit_0(builtin_model, t
     try:
         deadline = time.monotonic() + 240
         while not read_metrics(save) and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.2)
         assert read_metrics(save), "no rollout finished in time"
         proc.send_signal(signal.SIGTERM)  # torchrun alone; it forwards SIGTERM to every rank
         stdout, stderr = proc.communicate(timeout=120)
@@ -254,6 +337,7 @@ def test_sigterm_to_torchrun_saves_on_all_ranks_and_they_exit_0(builtin_model, t
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     logged = read_metrics(save)[-1]["rollout_id"]
+    assert logged < 49
     assert f"stopped after rollout {logged} (SIGTERM)" in stdout, stderr[-2000:]
     assert read_tracker(save).iteration == logged
     assert verify_checkpoint(checkpoint_path(save, logged)) == []
@@ -264,14 +348,7 @@ def test_sigterm_to_torchrun_saves_on_all_ranks_and_they_exit_0(builtin_model, t
 def test_second_torchrun_job_on_a_save_in_use_exits_2_on_every_rank(builtin_model, tmp_path):
     save = tmp_path / "locked"
     with SaveDirLock(save):
-        done = subprocess.run(
-            train_command(ARGS, save, NPROC),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, **torchrun_env()},
-            cwd=REPO,
-        )
+        done = run_train(ARGS, save, NPROC)
     assert done.returncode == 1  # torchrun's code for failed workers
     assert done.stderr.count("is in use by another mileage run") == NPROC, done.stderr[-2000:]
     assert done.stderr.count("exitcode  : 2") >= 1
@@ -320,4 +397,5 @@ def test_rng_of_each_rank_round_trips_and_fewer_ranks_fall_back_to_rank_0(monkey
     monkeypatch.setenv("RANK", "3")
     assert torch.equal(rng_of_this_rank(saved)["torch_cpu"], torch.tensor([1]))
     monkeypatch.setenv("RANK", "0")
+    assert torch.equal(rng_of_this_rank(saved)["torch_cpu"], torch.tensor([1]))
     assert gather_rng({"torch_cpu": torch.tensor([1])}).keys() == {"torch_cpu"}

@@ -54,6 +54,7 @@ class ShardedCheckpointWriter(CheckpointWriter):
         path = commit_sharded(self.save_dir, rollout_id, state)
         if env.is_main():
             prune_checkpoints(self.save_dir, self.keep_last)
+            fault_point("save_after_prune", self.save_dir)  # as in the one-process writer
             self.on_commit(rollout_id, path)
         env.barrier()
 
