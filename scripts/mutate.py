@@ -145,8 +145,8 @@ MUTANTS = [
         "metrics-not-cut-back",
         "a resume keeps the metrics of rollouts it will train again",
         "mileage/metrics.py",
-        "        if self.path is None or not self.path.is_file():\n            return\n        kept",
-        "        return\n        kept",
+        '            kept = [r for r in read_metrics(self.path.parent) if r["rollout_id"] < rollout_id]\n',
+        "            kept = read_metrics(self.path.parent)\n",
         (RESUME,),
     ),
     Mutant(
