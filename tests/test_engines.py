@@ -28,7 +28,7 @@ from mileage.models.hf import load_causal_lm, load_tokenizer
 from mileage.rollout.data import Prompt
 from mileage.rollout.engine import LocalEngine, SamplingParams
 from mileage.rollout.engines.http import post_json
-from mileage.rollout.rewards import exact_reward
+from mileage.rollout.rewards.rules import exact_reward
 from mileage.rollout.rollout import PromptEncoder, generate_samples
 from mileage.testing.compare import compare_checkpoints, compare_runs
 from mileage.testing.crash import Kill, outcome_table, run_uninterrupted, run_with_kills
