@@ -338,7 +338,12 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
         trainer["critic"] = run.actor.critic.state_dict()
         critic = critic_checkpoint_state(
             run.actor.critic,
-            checkpoint_meta(run.model_config, rollout_id, global_step=run.actor.critic.step),
+            checkpoint_meta(
+                run.model_config,
+                rollout_id,
+                source=run.model_source,
+                global_step=run.actor.critic.step,
+            ),
         )
     return CheckpointState(
         model=model_tensors(run.model),
