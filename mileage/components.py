@@ -183,6 +183,11 @@ class Run:
     def model(self) -> torch.nn.Module:
         return self.actor.model
 
+    @property
+    def device(self) -> torch.device:
+        """Where the policy trains: the rank's GPU under NCCL, else the CPU."""
+        return next(self.model.parameters()).device
+
 
 def _load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
     if fmt == "hf":

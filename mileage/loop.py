@@ -85,7 +85,7 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             fault_point("after_generate")
 
             progress.phase(rollout_id, "train")
-            batch = pack_samples(samples, run.tokenizer.pad_token_id)
+            batch = pack_samples(samples, run.tokenizer.pad_token_id).to(run.device)
             mismatch = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
             stats = {**run.actor.train_rollout(batch), **mismatch}
             sync_engine(run)

@@ -3,9 +3,8 @@
 # GPUs, else 1 rank with CUDA. Trains the built-in model for 3 rollouts with a save after each,
 # resumes the same command for 2 more, and lists the checkpoints' digests.
 # Usage: scripts/gpu_check.sh [OUT_DIR]   (needs the CUDA build of torch, see the README)
-# NOTE: mileage's trainer and engine place their tensors on the CPU today; under NCCL the
-# sharded model lives on the GPU. Until this script has passed on a GPU machine, treat the
-# NCCL path as untested (docs/distributed.md says so).
+# Until this script has passed on a GPU machine, treat the NCCL path as untested
+# (docs/distributed.md says so).
 set -euo pipefail
 OUT=${1:-/tmp/mileage_gpu_check}
 PY=${PYTHON:-python}

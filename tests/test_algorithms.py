@@ -287,3 +287,20 @@ def test_reference_logprobs_land_in_their_own_columns(tiny_hf):
         full, _ = sequence_logprobs(model, batch, 1.0)
     mask = batch.loss_mask.bool()
     assert torch.allclose(batch.ref_logprobs[mask], full[mask], atol=1e-5)
+
+
+def test_a_packed_batch_moves_every_tensor_to_the_training_device():
+    """Under NCCL the policy lives on the rank's GPU: the packed batch (and everything derived
+    from it later) must follow it. "meta" stands in for a GPU here."""
+    from mileage.rollout.rollout import Sample
+    from mileage.training.batch import pack_samples
+
+    samples = [Sample(None, [1, 5], [7, 8], [-0.5, -0.25], "", 1.0, True)] * 2
+    batch = pack_samples(samples, 0)
+    batch.advantages = torch.ones_like(batch.old_logprobs)
+    moved = batch.to(torch.device("meta"))
+    tensors = {k: v for k, v in vars(moved).items() if isinstance(v, torch.Tensor)}
+    assert set(tensors) >= {"input_ids", "attention_mask", "loss_mask", "old_logprobs", "advantages"}
+    assert all(t.device.type == "meta" for t in tensors.values())
+    assert moved.ref_logprobs is None and moved.target_offset == batch.target_offset
+    assert batch.to(torch.device("cpu")).input_ids is batch.input_ids  # a no-op on the CPU

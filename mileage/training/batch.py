@@ -10,7 +10,7 @@ prompt) most of the LM head and log-softmax work would otherwise be spent on pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -36,6 +36,15 @@ class TrainBatch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> TrainBatch:
+        """This batch with every tensor on `device` (itself when they are there already)."""
+        moved = {
+            f.name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for f in fields(self)
+            for value in [getattr(self, f.name)]
+        }
+        return TrainBatch(**moved)
 
     def slice(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop), trimmed to the longest sequence among them and to the columns
