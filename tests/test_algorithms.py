@@ -300,7 +300,13 @@ def test_a_packed_batch_moves_every_tensor_to_the_training_device():
     batch.advantages = torch.ones_like(batch.old_logprobs)
     moved = batch.to(torch.device("meta"))
     tensors = {k: v for k, v in vars(moved).items() if isinstance(v, torch.Tensor)}
-    assert set(tensors) >= {"input_ids", "attention_mask", "loss_mask", "old_logprobs", "advantages"}
+    assert set(tensors) >= {
+        "input_ids",
+        "attention_mask",
+        "loss_mask",
+        "old_logprobs",
+        "advantages",
+    }
     assert all(t.device.type == "meta" for t in tensors.values())
     assert moved.ref_logprobs is None and moved.target_offset == batch.target_offset
     assert batch.to(torch.device("cpu")).input_ids is batch.input_ids  # a no-op on the CPU
