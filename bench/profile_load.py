@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint  # noqa: F401  (imported before timing, as in a run)
 from _common import DEFAULT_THREADS
 
-from mileage.checkpoint.store import OPTIMIZER_DIR, load_tensors
+from mileage.checkpoint.tensors import OPTIMIZER_DIR, load_tensors
 
 
 def main(argv: list[str] | None = None) -> int:

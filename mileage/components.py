@@ -30,13 +30,15 @@ from mileage.checkpoint.store import (
     TRAINER_STATE,
     CheckpointState,
     CheckpointWriteError,
+    read_json,
+    verify_checkpoint,
+)
+from mileage.checkpoint.tensors import (
     load_model_weights,
     load_optimizer_tensors,
     load_rng_tensors,
     model_tensors,
     optimizer_tensors,
-    read_json,
-    verify_checkpoint,
 )
 from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env

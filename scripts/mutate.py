@@ -343,7 +343,7 @@ MUTANTS = [
     Mutant(
         "dist-optimizer-loaded-unsharded",
         "a resume at N=2 loads each optimizer tensor whole instead of as its parameter's shard",
-        "mileage/checkpoint/store.py",
+        "mileage/checkpoint/tensors.py",
         "                targets[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)\n",
         "                targets[name] = torch.empty(meta.size, dtype=dtype)\n",
         (DIST_CHAIN,),

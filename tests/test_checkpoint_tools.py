@@ -10,7 +10,7 @@ from conftest import fast_train_args
 from transformers import AutoModelForCausalLM
 
 from mileage.checkpoint.layout import read_tracker
-from mileage.checkpoint.store import load_tensors, tensor_digest
+from mileage.checkpoint.tensors import load_tensors, tensor_digest
 
 
 def ls(cli, save) -> list[dict]:
@@ -107,7 +107,8 @@ def test_convert_then_raw_mode_and_export(cli, tiny_hf, tmp_path):
 def test_async_snapshots_reuse_the_previous_buffers_and_commit_the_live_values(tmp_path):
     import torch
 
-    from mileage.checkpoint.store import CheckpointState, load_tensors, verify_checkpoint
+    from mileage.checkpoint.store import CheckpointState, verify_checkpoint
+    from mileage.checkpoint.tensors import load_tensors
     from mileage.checkpoint.writer import CheckpointWriter
 
     live = {"w": torch.zeros(64, 8), "b": torch.zeros(8)}
@@ -137,12 +138,8 @@ def test_tied_embeddings_are_stored_once_and_load_tied(tiny_hf, tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from mileage.checkpoint.store import (
-        CheckpointState,
-        commit_checkpoint,
-        load_model_weights,
-        model_tensors,
-    )
+    from mileage.checkpoint.store import CheckpointState, commit_checkpoint
+    from mileage.checkpoint.tensors import load_model_weights, model_tensors
     from mileage.models.hf import empty_causal_lm, load_causal_lm
 
     model = load_causal_lm(tiny_hf)

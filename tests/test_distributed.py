@@ -36,14 +36,8 @@ from safetensors.torch import load_file
 from mileage.checkpoint.layout import META, TRACKER, checkpoint_path, read_tracker
 from mileage.checkpoint.lock import SaveDirLock
 from mileage.checkpoint.plan import RESUME, StartFlags, plan_start
-from mileage.checkpoint.store import (
-    MODEL_DIR,
-    OPTIMIZER_DIR,
-    RNG_FILE,
-    TRAINER_STATE,
-    load_tensors,
-    verify_checkpoint,
-)
+from mileage.checkpoint.store import TRAINER_STATE, verify_checkpoint
+from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, RNG_FILE, load_tensors
 from mileage.cli.main import main as mileage_main
 from mileage.distributed import env
 from mileage.distributed.checkpoint import gather_rng, rng_of_this_rank

@@ -20,7 +20,8 @@ import torch
 from conftest import assert_learned, builtin_train_args, fast_train_args
 
 from mileage.checkpoint.layout import checkpoint_path, read_tracker, scan_dir
-from mileage.checkpoint.store import MODEL_DIR, load_tensors, verify_checkpoint
+from mileage.checkpoint.store import verify_checkpoint
+from mileage.checkpoint.tensors import MODEL_DIR, load_tensors
 from mileage.cli.main import main
 from mileage.errors import UserError
 from mileage.metrics import TIMING_KEYS, read_metrics

@@ -21,7 +21,7 @@ import torch
 from conftest import REPO, fast_train_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mileage.checkpoint.store import load_model_weights
+from mileage.checkpoint.tensors import load_model_weights
 from mileage.models.hf import empty_causal_lm
 
 CHAT_MARKER = "user>"  # characters the tiny char tokenizer knows

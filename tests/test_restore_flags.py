@@ -12,7 +12,7 @@ import torch
 from conftest import assert_learned, builtin_train_args, fast_train_args
 
 from mileage.checkpoint.layout import checkpoint_path
-from mileage.checkpoint.store import MODEL_DIR, OPTIMIZER_DIR, load_tensors
+from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, load_tensors
 from mileage.metrics import read_metrics
 
 BETA1, BETA2 = 0.9, 0.98  # OptimConfig's defaults, which these runs use

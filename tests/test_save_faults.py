@@ -101,7 +101,7 @@ def test_write_errors_inside_dcp_and_safetensors_surface_as_os_errors(tmp_path):
     them as the OSError that `commit_checkpoint` turns into one line."""
     import torch
 
-    from mileage.checkpoint.store import save_safetensors, save_tensors
+    from mileage.checkpoint.tensors import save_safetensors, save_tensors
 
     occupied = tmp_path / "model"
     occupied.write_text("a file where the tensor directory should go")

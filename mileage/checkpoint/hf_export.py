@@ -16,13 +16,8 @@ import torch
 
 from mileage.checkpoint.layout import RELEASE, scan_dir
 from mileage.checkpoint.meta import checkpoint_meta, model_source
-from mileage.checkpoint.store import (
-    CheckpointState,
-    commit_checkpoint,
-    load_model_weights,
-    model_tensors,
-    verify_checkpoint,
-)
+from mileage.checkpoint.store import CheckpointState, commit_checkpoint, verify_checkpoint
+from mileage.checkpoint.tensors import load_model_weights, model_tensors
 from mileage.errors import UserError
 from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
 

@@ -5,13 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mileage.checkpoint.layout import RELEASE, TRACKER, checkpoint_path, scan_dir
-from mileage.checkpoint.store import (
-    MODEL_DIR,
-    OPTIMIZER_DIR,
-    load_tensors,
-    tensor_digest,
-    verify_checkpoint,
-)
+from mileage.checkpoint.store import verify_checkpoint
+from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, load_tensors, tensor_digest
 from mileage.errors import UserError
 
 

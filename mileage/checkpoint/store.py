@@ -25,22 +25,22 @@ position live in JSON instead.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
 import time
-import warnings
-from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
+from mileage.checkpoint.files import (
+    file_sha256,
+    fsync_path,
+    prefetch,
+    write_json_durably,
+)
 from mileage.checkpoint.layout import (
     CRITIC_DIR,
     MANIFEST,
@@ -54,16 +54,18 @@ from mileage.checkpoint.layout import (
     read_tracker,
     scan_dir,
 )
+from mileage.checkpoint.tensors import (
+    MODEL_DIR,
+    OPTIMIZER_DIR,
+    RNG_FILE,
+    save_safetensors,
+    save_tensors,
+)
 from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.seeding import overwritten_allocations
 
-MODEL_DIR, OPTIMIZER_DIR, RNG_FILE, TRAINER_STATE = (
-    "model",
-    "optimizer",
-    "rng.safetensors",
-    "trainer_state.json",
-)
+TRAINER_STATE = "trainer_state.json"
 
 
 class CheckpointWriteError(UserError):
@@ -118,31 +120,6 @@ class CheckpointState:
 # ---------------------------------------------------------------- low-level durable writes
 
 
-def fsync_path(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_durably(path: Path, data: dict) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' save_file, durably; its I/O failures (a Rust error type) become OSError, so
-    a failing save is reported like any other write error."""
-    try:
-        save_file(tensors, str(path))
-    except SafetensorError as exc:
-        raise OSError(errno.EIO, f"writing {path.name} failed: {exc}", str(path)) from None
-    fsync_path(path)
-
-
 def write_tracker(save_dir: str | Path, value: int | str) -> None:
     """Atomically point the tracker at `value` (temp file, fsync, rename, fsync directory)."""
     save_dir = Path(save_dir)
@@ -159,45 +136,6 @@ def write_tracker(save_dir: str | Path, value: int | str) -> None:
     fsync_path(save_dir)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-@contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    # single-process DCP warns that no process group exists; that is the intended mode here
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        yield
-
-
-def save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Write `tensors` as a DCP directory; its files are fsynced later, by `_sync_and_hash`."""
-    import torch.distributed.checkpoint as dcp  # ~0.8 s of imports; runs without --save skip it
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        with _quiet_dcp():
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=False))
-    except CheckpointException as exc:
-        # DCP wraps the writer's failure (disk full, I/O error) per rank; report it as the
-        # OSError it is, so a failing save stops with one line like any other write error
-        # (each failure is an (exception, traceback) pair)
-        errors = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
-        cause = next((e for e in errors if isinstance(e, OSError)), None)
-        if cause is not None:
-            raise cause from None
-        raise OSError(
-            errno.EIO, f"writing {directory.name} failed: {exc}", str(directory)
-        ) from None
-    fsync_path(directory)
-
-
 def _sync_and_hash(files: list[Path]) -> dict[Path, str]:
     """fsync every file and take its sha256, overlapped: the flush waits on the disk while the
     hash runs on a core (hashlib releases the GIL), so a save costs about the slower of the
@@ -208,42 +146,6 @@ def _sync_and_hash(files: list[Path]) -> dict[Path, str]:
         for done in syncs:
             done.result()
         return {path: done.result() for path, done in digests.items()}
-
-
-def tensor_metadata(directory: str | Path) -> dict:
-    """Name -> DCP metadata (global size, dtype) of every entry of a DCP directory."""
-    import torch.distributed.checkpoint as dcp
-
-    return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-
-
-def load_tensors(
-    directory: str | Path, into: dict[str, torch.Tensor] | None = None
-) -> dict[str, torch.Tensor]:
-    """Load a DCP tensor directory; into `into`'s tensors in place if given, else fresh tensors.
-
-    `into` may hold DTensors (FSDP shards): each process then reads just its own shards, from a
-    checkpoint saved at any world size. Loads never communicate, so one rank alone may load.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    prefetch_checkpoint(directory)
-    reader = dcp.FileSystemReader(str(directory))
-    metadata = reader.read_metadata().state_dict_metadata
-    if any(not hasattr(m, "size") for m in metadata.values()):
-        raise UserError(
-            f"{directory} holds non-tensor entries; mileage never writes those, refusing to unpickle"
-        )
-    missing = sorted(set(into or {}) - set(metadata))
-    if missing:
-        raise UserError(
-            f"{directory} lacks {len(missing)} tensors the model needs, e.g. {missing[0]}"
-        )
-    with overwritten_allocations(), _quiet_dcp():
-        if into is None:
-            into = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()}
-        dcp.load(into, storage_reader=reader, no_dist=True)
-    return into
 
 
 # ---------------------------------------------------------------- save and commit
@@ -385,111 +287,8 @@ def prune_checkpoints(save_dir: str | Path, keep_last: int | None) -> list[str]:
 # ---------------------------------------------------------------- load and verify
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with each shared tensor once (tied embeddings would otherwise be
-    written, hashed and read twice: 0.11 GB of SmolLM2's 0.65 GB)."""
-    seen: set[tuple[int, int]] = set()
-    tensors = {}
-    aliases = tied_aliases(model)
-    for name, value in model.state_dict().items():
-        if name in aliases:
-            continue
-        if hasattr(value, "to_local"):  # a DTensor shard: tied names were dropped above
-            tensors[name] = value
-            continue
-        key = (value.untyped_storage().data_ptr(), value.storage_offset())
-        if key in seen and value.numel():
-            continue
-        seen.add(key)
-        tensors[name] = value
-    return tensors
-
-
-def tied_aliases(model: torch.nn.Module) -> set[str]:
-    """Names under which an already-listed parameter appears again (tied LM head)."""
-    seen: set[int] = set()
-    aliases = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            aliases.add(name)
-        seen.add(id(param))
-    return aliases
-
-
-def load_model_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:
-    """Load a native checkpoint's weights into `model` in place (tied tensors share storage, so
-    loading one name fills both)."""
-    load_tensors(Path(checkpoint) / MODEL_DIR, into=model_tensors(model))
-
-
-def optimizer_tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, torch.Tensor]:
-    """Optimizer state as flat `{param_name}.{key}` tensors (resharding-friendly, no pickles)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    flat = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for key, value in optimizer.state.get(param, {}).items():
-                flat[f"{names[id(param)]}.{key}"] = (
-                    value if torch.is_tensor(value) else torch.tensor(value)
-                )
-    return flat
-
-
-def load_optimizer_tensors(
-    checkpoint: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
-    """Load into tensors laid out like their parameters (sharded like them under FSDP)."""
-    directory = Path(checkpoint) / OPTIMIZER_DIR
-    params = dict(model.named_parameters())
-    targets = {}
-    with overwritten_allocations():
-        for name, meta in tensor_metadata(directory).items():
-            param_name, _, key = name.rpartition(".")
-            if param_name not in params:
-                raise UserError(f"{checkpoint}: optimizer state for unknown parameter {param_name}")
-            param = params[param_name]
-            dtype = getattr(getattr(meta, "properties", None), "dtype", None)
-            if getattr(meta, "size", None) == param.shape and dtype is not None:
-                targets[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)
-            elif dtype is not None:
-                targets[name] = torch.empty(meta.size, dtype=dtype)
-    tensors = load_tensors(directory, into=targets)
-    for name, value in tensors.items():
-        param_name, _, key = name.rpartition(".")
-        optimizer.state[params[param_name]][key] = value
-
-
-def load_rng_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(checkpoint) / RNG_FILE))
-
-
 def read_json(checkpoint: str | Path, name: str) -> dict:
     return json.loads((Path(checkpoint) / name).read_text())
-
-
-def prefetch(paths: Iterable[Path]) -> None:
-    """Ask the kernel to start reading these files into the page cache, without waiting.
-
-    A load alternates reading with CPU work (hashing, copying into tensors); with the reads
-    queued up front the disk streams at full speed while the CPU works.
-    """
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue  # the load itself reports missing files
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass  # advice only
-        finally:
-            os.close(fd)
-
-
-def prefetch_checkpoint(checkpoint: str | Path) -> None:
-    prefetch(sorted(p for p in Path(checkpoint).rglob("*") if p.is_file()))
 
 
 def verify_checkpoint(checkpoint: str | Path) -> list[str]:
@@ -511,14 +310,4 @@ def verify_checkpoint(checkpoint: str | Path) -> list[str]:
     ]
 
 
-def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over (name, dtype, shape, bytes) of every tensor in sorted-name order."""
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        value = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
-        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-__all__ = ["RELEASE", "CheckpointState", "commit_checkpoint", "load_tensors", "verify_checkpoint"]
+__all__ = ["RELEASE", "CheckpointState", "commit_checkpoint", "verify_checkpoint"]

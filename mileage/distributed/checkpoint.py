@@ -20,15 +20,13 @@ from pathlib import Path
 import torch
 
 from mileage.checkpoint.store import (
-    MODEL_DIR,
-    OPTIMIZER_DIR,
     CheckpointState,
     CheckpointWriteError,
     commit_checkpoint,
     prune_checkpoints,
-    save_tensors,
     staging_path,
 )
+from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, save_tensors
 from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
 from mileage.errors import UserError

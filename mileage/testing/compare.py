@@ -23,14 +23,8 @@ from mileage.checkpoint.layout import (
     read_tracker,
     scan_dir,
 )
-from mileage.checkpoint.store import (
-    MODEL_DIR,
-    OPTIMIZER_DIR,
-    RNG_FILE,
-    TRAINER_STATE,
-    load_tensors,
-    verify_checkpoint,
-)
+from mileage.checkpoint.store import TRAINER_STATE, verify_checkpoint
+from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, RNG_FILE, load_tensors
 from mileage.metrics import METRICS_FILE, TIMING_KEYS
 
 # a difference in tensor names, shapes, dtypes or values starts with this

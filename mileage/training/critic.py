@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from mileage.checkpoint.layout import CRITIC_DIR
-from mileage.checkpoint.store import (
+from mileage.checkpoint.store import CheckpointState
+from mileage.checkpoint.tensors import (
     MODEL_DIR,
-    CheckpointState,
     load_optimizer_tensors,
     load_tensors,
     model_tensors,
