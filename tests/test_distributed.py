@@ -9,6 +9,8 @@ have learned before anything is compared with it. Against it:
 - a resume at N=1 of its first checkpoint that replays its second rollout's samples: position
   and LR continue exactly, and training on the same samples from the same weights gives the N=2
   gradients and weights up to reduction order (FSDP's sum is the single-process gradient);
+- the other way: that checkpoint re-saved at N=1, resumed at N=2 on the same samples, ends
+  bit for bit on the reference's second checkpoint;
 - in process (no launch): a reload-and-resave at N=1 (the loaded tensors equal the saved ones
   bit for bit, `ckpt ls` digests do not depend on the world size), `ckpt verify` and `export-hf`
   of the N=2 checkpoint, the rollouts' samples against the prompts they are filed under.
@@ -235,6 +237,36 @@ def test_n2_checkpoint_resumes_at_n1_exactly_and_trains_like_n2_on_the_same_samp
     for name, value in mine.items():
         # this rollout moves weights by up to ~1e-4; another summation order, by ~1e-8
         torch.testing.assert_close(value, reference_weights[name], rtol=0, atol=1e-6)
+
+
+def test_n1_checkpoint_resumes_at_n2_and_lands_on_the_n2_run_bit_for_bit(
+    reference, builtin_model, tmp_path
+):
+    """The other way round: rollout 0 of the N=2 run, re-saved by one process (its tensors equal
+    bit for bit), resumes at N=2 on rollout 1's samples. Same weights, same optimizer state,
+    same samples and the same N=2 arithmetic: rollout 1 must equal the N=2 run's, torch.equal."""
+    save = tmp_path / "from_n1"
+    flags = [*ARGS, "--load", str(reference), "--save", str(save), "--ckpt-step", "0"]
+    with global_state_kept():
+        assert resave.main(flags) == 0
+    assert json.loads((checkpoint_path(save, 0) / META).read_text())["world_size"] == 1
+    replay = ["--load-debug-rollout-data", str(reference.parent / ROLLOUTS)]
+    done = run_train([*ARGS, *replay], save, nproc=NPROC)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "world size changed: saved by 1 process(es), resuming with 2" in done.stdout
+    assert_learned(save, builtin_model)
+    ours, theirs = read_metrics(save)[-1], read_metrics(reference)[1]
+    assert ours["rollout_id"] == 1
+    for key in ("prompt_indices", "lrs", "global_step", "grad_norm", "reward_mean"):
+        assert ours[key] == theirs[key], key
+    mine, reference_ckpt = checkpoint_path(save, 1), checkpoint_path(reference, 1)
+    assert json.loads((mine / META).read_text())["world_size"] == NPROC
+    for sub in (MODEL_DIR, OPTIMIZER_DIR):
+        theirs_tensors = load_tensors(reference_ckpt / sub)
+        assert compare_tensors(sub, load_tensors(mine / sub), theirs_tensors) == []
+    assert json.loads((mine / TRAINER_STATE).read_text()) == json.loads(
+        (reference_ckpt / TRAINER_STATE).read_text()
+    )
 
 
 def test_n2_checkpoint_verifies_exports_and_a_damaged_rank_shard_is_named(
