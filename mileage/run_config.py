@@ -159,6 +159,7 @@ class RunConfig:
         ("optim", "weight_decay"),
         ("optim", "adam_eps"),
         ("optim", "clip_grad"),
+        ("engine", "vllm_restarts"),
     )
 
     def demo_note(self) -> str | None:

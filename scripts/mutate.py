@@ -279,6 +279,34 @@ MUTANTS = [
         (f"{ENGINES}::test_samples_of_an_older_weight_version_are_refused",),
     ),
     Mutant(
+        "restarted-server-keeps-start-weights",
+        "a restarted vLLM server is not given the current weights",
+        "mileage/rollout/engines/vllm.py",
+        "        self._load(self.weights_path, self.weight_version)\n",
+        "",
+        (
+            f"{VLLM}::test_a_launched_server_that_dies_mid_rollout_is_restarted_and_the_run_is_exact",
+        ),
+    ),
+    Mutant(
+        "launched-server-never-restarted",
+        "a launched vLLM server that fails mid-rollout is not restarted",
+        "mileage/rollout/engines/vllm.py",
+        "                if self.server is None or self.restarts_left <= 0:\n",
+        "                if True:\n",
+        (
+            f"{VLLM}::test_a_launched_server_that_dies_mid_rollout_is_restarted_and_the_run_is_exact",
+        ),
+    ),
+    Mutant(
+        "cut-off-reply-escapes",
+        "a reply cut off mid-body escapes as http.client.IncompleteRead (a traceback)",
+        "mileage/rollout/engines/http.py",
+        "    except http.client.HTTPException as exc:\n",
+        "    except ZeroDivisionError as exc:\n",
+        (f"{ENGINES}::test_a_reply_cut_off_mid_body_is_a_bad_reply_not_a_traceback",),
+    ),
+    Mutant(
         "engine-not-synced-after-training",
         "the servers never get the weights of a training step (they keep the start's)",
         "mileage/loop.py",

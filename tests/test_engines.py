@@ -298,3 +298,30 @@ def test_engine_flags_are_checked(args, message, tiny_hf, capsys, mileage_home):
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert err.count("\n") == 1 and err.startswith("mileage: error: ")
+
+
+def test_a_reply_cut_off_mid_body_is_a_bad_reply_not_a_traceback():
+    """A server that dies while answering leaves a body shorter than its Content-Length;
+    urllib raises http.client.IncompleteRead, which is not an OSError."""
+    import socket
+    import threading
+
+    from mileage.rollout.engines.http import BadReply, post_json
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_half() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"choi')
+
+    thread = threading.Thread(target=answer_half, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(BadReply, match="broken reply"):
+            post_json(f"http://127.0.0.1:{port}/v1/completions", {"prompt": [1]}, timeout=10)
+    finally:
+        thread.join(timeout=10)
+        listener.close()

@@ -22,6 +22,7 @@ from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.engines.http import BadReply
 from mileage.rollout.engines.vllm import VLLMEngine, launch_args
+from mileage.testing.compare import compare_runs
 
 FAKE_SERVER = """
 import argparse, json, os, subprocess, sys
@@ -62,6 +63,13 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/update_weight_version":
             return self.reply({"success": True, "new_version": body["new_version"]})
         assert body["model"] == args.served_model_name and body["return_token_ids"]
+        calls.append(body)
+        if len(calls) == int(os.environ.get("FAKE_VLLM_DIE_AFTER", "0")):
+            marker = os.environ.get("FAKE_VLLM_DIE_ONCE")  # else every instance dies
+            if not (marker and os.path.exists(marker)):
+                if marker:
+                    open(marker, "w").close()
+                os._exit(1)  # mid-rollout, with requests in flight
         assert body["top_k"] == 0 and body["repetition_penalty"] == 1.0
         out = engine.generate({"input_ids": body["prompt"], "sampling_params": {
             "max_new_tokens": body["max_tokens"], "temperature": body["temperature"],
@@ -139,6 +147,47 @@ def test_launched_server_trains_with_weight_sync_and_is_stopped(
     assert len(reloads) == 3
     pids = server_pids(fake_vllm)
     assert len(pids) == 2 and wait_dead(pids) == []
+
+
+def test_a_launched_server_that_dies_mid_rollout_is_restarted_and_the_run_is_exact(
+    cli, builtin_model, fake_vllm, tmp_path
+):
+    """The server dies at its 5th completion of rollout 1 (of 2): mileage restarts it on the
+    current weights, sends the rollout's requests again, and (per-row seeds) ends with the
+    tensors and metrics of a run whose server never died. Both servers are gone at the end."""
+    args = builtin_train_args("--rollout-engine", "vllm", "--vllm-python", sys.executable,
+                              "--vllm-start-timeout", "120", "--global-batch-size", "16",
+                              "--num-rollout", "2", "--rollout-timeout", "20")  # fmt: skip
+    clean = tmp_path / "clean"
+    done = cli("train", *args, "--save", clean, env=fake_vllm)
+    assert done.returncode == 0, done.stderr
+    dying = {**fake_vllm, "FAKE_VLLM_DIE_AFTER": "37", "FAKE_VLLM_DIE_ONCE": str(tmp_path / "died")}
+    Path(fake_vllm["FAKE_VLLM_PIDS"]).unlink()
+    restarted = tmp_path / "restarted"
+    done = cli("train", *args, "--save", restarted, env=dying)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "died").exists()  # 32 completions per rollout: it died in rollout 1
+    assert "the launched vLLM server failed" in done.stdout, done.stdout
+    assert "restarting it with the weights of version 2" in done.stdout, done.stdout
+    assert_learned(restarted, builtin_model)
+    assert compare_runs(clean, restarted) == []
+    pids = server_pids(dying)
+    assert len(pids) == 4 and wait_dead(pids) == []
+
+
+def test_a_server_that_keeps_dying_stops_the_run_with_one_line(cli, tiny_hf, fake_vllm, tmp_path):
+    dying = {**fake_vllm, "FAKE_VLLM_DIE_AFTER": "3"}
+    save = tmp_path / "run"
+    done = cli("train", *vllm_args(tiny_hf, "--rollout-timeout", "20"), "--save", save, env=dying)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mileage: error: vllm rollout: /v1/completions")
+    assert "rerun the same command" in lines[0]
+    assert (
+        done.stdout.count("restarting it with the weights of version 0") == 1
+    )  # --vllm-restarts 1
+    pids = server_pids(dying)
+    assert len(pids) == 4 and wait_dead(pids) == []
 
 
 def test_no_server_survives_a_sigkill_of_mileage(tiny_hf, fake_vllm, mileage_home):

@@ -43,6 +43,11 @@ class EngineConfig:
     vllm_start_timeout: float = option(
         600.0, "seconds the launched vLLM server may take to become healthy"
     )
+    vllm_restarts: int = option(
+        1,
+        "times a launched vLLM server that died or stopped answering during a rollout is "
+        "restarted with the current weights (the rollout's requests are then sent again)",
+    )
 
     @property
     def remote(self) -> bool:

@@ -8,6 +8,7 @@ one `UserError` line naming each failure. Only the standard library is used.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import urllib.error
@@ -35,6 +36,9 @@ def post_json(url: str, payload: Any, timeout: float) -> Any:
     except urllib.error.HTTPError as exc:
         detail = exc.read()[:200].decode(errors="replace")
         raise BadReply(f"HTTP {exc.code}: {detail}") from None
+    except http.client.HTTPException as exc:
+        # a server that dies mid-reply: a cut-off body (IncompleteRead) or status line
+        raise BadReply(f"broken reply ({type(exc).__name__})") from None
     try:
         return json.loads(body)
     except ValueError:

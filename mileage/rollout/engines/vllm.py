@@ -171,6 +171,8 @@ class VLLMEngine:
         self.sync_timeout = cfg.rollout_sync_timeout
         self.weights = DiskWeights(cfg.rollout_weights_dir)
         self.weight_version = -1
+        self.weights_path: Path | None = None  # what a restarted server starts from
+        self.restarts_left = cfg.vllm_restarts
 
     def _pool(self, urls: list[str]) -> ServerPool:
         pool = ServerPool(urls, self.cfg.rollout_timeout, self.cfg.rollout_attempts, "vllm rollout")
@@ -180,9 +182,14 @@ class VLLMEngine:
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         path = self.weights.write(model)
         untie_on_disk(model, path)
+        self.weights_path = path
         if self.pool is None:
             self.server, url = launch_vllm(self.cfg, path, self.model_dir, self.log)
             self.pool = self._pool([url])
+        self._load(path, version)
+
+    def _load(self, path: Path, version: int) -> None:
+        """Every server reloads the weights at `path` and takes their version number."""
         steps = (
             (
                 "/collective_rpc",
@@ -192,10 +199,10 @@ class VLLMEngine:
             ("/update_weight_version", {"new_version": str(version)}),
         )
         failed = {}
-        for path_, payload in steps:
-            for url, why in self.pool.broadcast(path_, payload, self.sync_timeout).items():
+        for endpoint, payload in steps:
+            for url, why in self.pool.broadcast(endpoint, payload, self.sync_timeout).items():
                 if why is not None:
-                    failed.setdefault(url, f"{path_}: {why}")
+                    failed.setdefault(url, f"{endpoint}: {why}")
         if len(failed) == len(self.pool.urls):
             details = "; ".join(f"{u}: {w}" for u, w in failed.items())
             raise UserError(
@@ -230,7 +237,27 @@ class VLLMEngine:
                 payload["seed"] = seed.row_seed(row)
             payloads.append(payload)
             validators.append(self._validator(prompt, params))
-        return self.pool.map("/v1/completions", payloads, validators)
+        while True:
+            try:
+                return self.pool.map("/v1/completions", payloads, validators)
+            except UserError as failure:
+                if self.server is None or self.restarts_left <= 0:
+                    raise
+                self._restart(failure)
+
+    def _restart(self, failure: UserError) -> None:
+        """Replace the launched server by a new one on the current weights (per-row seeds make
+        the re-sent requests draw the samples the first server would have)."""
+        self.restarts_left -= 1
+        self.log(
+            f"the launched vLLM server failed ({failure}; log: {self.server.log_tail()}); "
+            f"restarting it with the weights of version {self.weight_version} "
+            f"({self.restarts_left} more restart(s) allowed by --vllm-restarts)"
+        )
+        self.server.stop(grace=5.0)
+        self.server, url = launch_vllm(self.cfg, self.weights_path, self.model_dir, self.log)
+        self.pool = self._pool([url])
+        self._load(self.weights_path, self.weight_version)
 
     def _validator(self, prompt: list[int], params: SamplingParams):
         def validate(reply) -> Completion:
