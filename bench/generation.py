@@ -1,4 +1,5 @@
-"""Benchmark 2: sampling throughput of mileage's LocalEngine against `transformers` generate.
+"""Benchmark 2: sampling throughput of mileage's LocalEngine against `transformers` generate
+(and vLLM's OpenAI server with `--vllm-python`).
 
 Both sample the same prompts from the same model at temperature 1, top-p 1, and are forced to
 produce exactly `--new-tokens` tokens per row (EOS ignored: eos id -1 for the engine,
@@ -9,6 +10,14 @@ short warm-up each, and the median is reported with the min-max of the repeats.
 
     python bench/generation.py                                  # tiny model, fp32 + bf16
     python bench/generation.py --smollm2-dir "$(mileage smollm2)"   # adds SmolLM2-135M (fp32)
+    python bench/generation.py --skip-tiny --smollm2-dir DIR --smollm2-dtypes fp32,bf16 \
+        --vllm-python "$MILEAGE_HOME/vllm-venv/bin/python"           # adds vLLM (CPU backend)
+
+vLLM is launched once per model and dtype (`--dtype`, the same process-group supervisor as
+`--rollout-engine vllm`, loopback only) and gets the batch as that many concurrent
+/v1/completions requests of token ids, with `ignore_eos` and `min_tokens` so every row has
+exactly `--new-tokens` tokens; its start-up is not timed. Its throughput counts the whole
+round trip (HTTP, JSON, detokenization it does anyway), which is what a trainer sees.
 """
 
 from __future__ import annotations
@@ -42,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smollm2-dtypes", default="fp32", help="bf16 is ~10x slower without bf16 HW")
     p.add_argument("--smollm2-repeats", type=int, default=2)
     p.add_argument("--skip-tiny", action="store_true")
+    p.add_argument(
+        "--vllm-python", help="Python of a vLLM venv: adds vLLM (scripts/install_vllm.sh)"
+    )
+    p.add_argument("--vllm-args", default="--kv-cache-memory-bytes 4G --max-num-seqs 256")
     p.add_argument("--out", default="generation", help="results name (bench/results/NAME.json)")
     return p.parse_args(argv)
 
@@ -84,6 +97,53 @@ def hf_run(model, tokenizer, prompts, new_tokens: int, seed: int):
     assert out.shape[1] - enc["input_ids"].shape[1] == new_tokens
 
 
+class VLLMServer:
+    """A launched `vllm serve` of `model_dir`; calling it samples a batch like the runners above."""
+
+    def __init__(self, model_dir: str, dtype_name: str, args):
+        from pathlib import Path
+
+        from mileage.rollout.engines.config import EngineConfig
+        from mileage.rollout.engines.vllm import launch_vllm
+
+        cfg = EngineConfig(
+            rollout_engine="vllm",
+            vllm_python=args.vllm_python,
+            vllm_args=f"{args.vllm_args} --dtype {DTYPES[dtype_name]}",
+        )
+        self.server, self.url = launch_vllm(cfg, Path(model_dir), model_dir, print)
+
+    def __call__(self, model, tokenizer, prompts, new_tokens: int, seed: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from mileage.rollout.engines.http import post_json
+        from mileage.rollout.engines.vllm import SERVED_NAME
+
+        def one(row: int) -> int:
+            payload = {
+                "model": SERVED_NAME,
+                "prompt": prompts[row],
+                "max_tokens": new_tokens,
+                "min_tokens": new_tokens,
+                "ignore_eos": True,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "seed": seed * 100_003 + row,
+                "logprobs": 0,
+                "return_token_ids": True,
+            }
+            reply = post_json(self.url + "/v1/completions", payload, timeout=1800)
+            return len(reply["choices"][0]["token_ids"])
+
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            lengths = list(pool.map(one, range(len(prompts))))
+        assert lengths == [new_tokens] * len(prompts), lengths
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 def bench_model(name, model_dir, dtypes, batch_sizes, args, repeats) -> list[dict]:
     import torch
 
@@ -95,9 +155,12 @@ def bench_model(name, model_dir, dtypes, batch_sizes, args, repeats) -> list[dic
     rows = []
     for dtype_name in dtypes:
         model = load_causal_lm(model_dir, dtype=getattr(torch, DTYPES[dtype_name]))
+        vllm = VLLMServer(str(model_dir), dtype_name, args) if args.vllm_python else None
         for batch in batch_sizes:
             prompts = mixed_prompts(tokenizer, batch)
             runners = {"mileage": engine_run, "transformers": hf_run}
+            if vllm is not None:
+                runners["vllm"] = vllm
             for fn in runners.values():  # warm-up: allocator, kernel selection, lazy imports
                 fn(model, tokenizer, prompts, 4, seed=0)
             wall = {k: [] for k in runners}
@@ -134,6 +197,8 @@ def bench_model(name, model_dir, dtypes, batch_sizes, args, repeats) -> list[dic
             row["speedup"] = row["mileage_tok_s"] / row["transformers_tok_s"]
             row["cpu_speedup"] = row["mileage_cpu_tok_s"] / row["transformers_cpu_tok_s"]
             rows.append(row)
+        if vllm is not None:
+            vllm.stop()
         del model
         gc.collect()
     return rows
@@ -179,6 +244,8 @@ def main(argv=None) -> int:
             ("mileage_tok_s_range", "(range)"),
             ("transformers_tok_s", "generate tok/s"),
             ("transformers_tok_s_range", "(range)"),
+            ("vllm_tok_s", "vLLM tok/s"),
+            ("vllm_tok_s_range", "(range)"),
             ("speedup", "speedup"),
             ("cpu_speedup", "speedup (CPU time)"),
             ("load_before", "load (1 min)"),

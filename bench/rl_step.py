@@ -60,7 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (per config)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first steps per run")
     p.add_argument("--runs", type=int, default=None, help="runs per framework (alternating)")
-    p.add_argument("--frameworks", default="mileage,trl")
+    p.add_argument(
+        "--frameworks",
+        default="mileage,trl",
+        help="comma-separated: mileage (local engine), mileage-vllm (needs --vllm-python), trl",
+    )
+    p.add_argument("--vllm-python", help="Python of a vLLM venv (scripts/install_vllm.sh)")
     p.add_argument("--out", default="rl_step", help="results name (bench/results/NAME.json)")
     # internal: one TRL run in this process, results written as JSON to --worker-out
     p.add_argument("--worker", choices=("trl",), help=argparse.SUPPRESS)
@@ -88,7 +93,9 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[int, float, f
 # mileage: the real CLI
 
 
-def mileage_run(config: dict, model_dir: str | None, threads: int) -> dict:
+def mileage_run(
+    config: dict, model_dir: str | None, threads: int, vllm_python: str | None = None
+) -> dict:
     total = config["warmup"] + config["steps"]
     with tempfile.TemporaryDirectory(prefix="bench-mileage-") as save:
         cmd = [
@@ -107,6 +114,8 @@ def mileage_run(config: dict, model_dir: str | None, threads: int) -> dict:
         ]  # fmt: skip
         if model_dir:
             cmd += ["--hf-checkpoint", model_dir]
+        if vllm_python:  # mileage launches vLLM (its start-up is outside every step's time)
+            cmd += ["--rollout-engine", "vllm", "--vllm-python", vllm_python]
         code, wall, rss, output = run_measured(cmd)
         if code != 0:
             raise RuntimeError(f"mileage train failed ({code}):\n{output[-3000:]}")
@@ -115,10 +124,11 @@ def mileage_run(config: dict, model_dir: str | None, threads: int) -> dict:
         ]
     timed = records[config["warmup"] :]
     return {
-        "framework": "mileage",
+        "framework": "mileage-vllm" if vllm_python else "mileage",
         "step_s": [r["step_time"] for r in timed],
         "gen_s": [r["gen_time"] for r in timed],
         "train_s": [r["train_time"] for r in timed],
+        "sync_s": [r["sync_time"] for r in timed],
         "reward": [r["reward_mean"] for r in records],
         "completion_len": [r["response_len"] for r in timed],
         "process_wall_s": wall,
@@ -258,6 +268,7 @@ def summarize(name: str, runs: list[dict], config: dict) -> dict:
     if "gen_s" in runs[0]:
         row["gen_s"] = median([s for r in runs for s in r["gen_s"]])
         row["train_s"] = median([s for r in runs for s in r["train_s"]])
+        row["sync_s"] = median([s for r in runs for s in r["sync_s"]])
     return row
 
 
@@ -289,8 +300,9 @@ def main(argv=None) -> int:
             order = frameworks if run % 2 == 0 else list(reversed(frameworks))
             for fw in order:
                 loads.append(load_average())
-                if fw == "mileage":
-                    result = mileage_run(config, model_dir, args.threads)
+                if fw in ("mileage", "mileage-vllm"):
+                    vllm = args.vllm_python if fw == "mileage-vllm" else None
+                    result = mileage_run(config, model_dir, args.threads, vllm)
                 else:
                     result = trl_run(name, config, hf_dir, args.threads)
                 results[fw].append(result)
@@ -300,10 +312,9 @@ def main(argv=None) -> int:
                     flush=True,
                 )
         summary = {fw: summarize(name, results[fw], config) for fw in frameworks}
-        if "mileage" in summary and "trl" in summary:
-            ratio = summary["mileage"]["s_per_step"] / summary["trl"]["s_per_step"]
-            summary["mileage"]["ratio_vs_trl"] = ratio
-            summary["trl"]["ratio_vs_trl"] = 1.0
+        if "trl" in summary:
+            for row in summary.values():
+                row["ratio_vs_trl"] = row["s_per_step"] / summary["trl"]["s_per_step"]
         rows += summary.values()
         raw[name] = {"config": config, "runs": results, "load_averages": loads}
     table = print_table(
@@ -317,6 +328,7 @@ def main(argv=None) -> int:
             ("ratio_vs_trl", "time vs TRL"),
             ("gen_s", "generate s"),
             ("train_s", "train s"),
+            ("sync_s", "weight sync s"),
             ("completion_len", "completion len"),
             ("peak_rss_mib", "peak RSS MiB"),
         ],

@@ -88,12 +88,13 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             batch = pack_samples(samples, run.tokenizer.pad_token_id).to(run.device)
             mismatch = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
             stats = {**run.actor.train_rollout(batch), **mismatch}
-            sync_engine(run)
             trained = time.perf_counter()
+            sync_engine(run)
+            synced = time.perf_counter()
             fault_point("after_train")
 
             record = rollout_record(
-                rollout_id, prompts, samples, stats, started, generated, trained
+                rollout_id, prompts, samples, stats, (started, generated, trained, synced)
             )
             if eval_due(run, rollout_id):
                 progress.phase(rollout_id, "eval")
@@ -135,8 +136,11 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
 
 
 def rollout_record(
-    rollout_id: int, prompts, samples, stats: dict, started: float, generated: float, trained: float
+    rollout_id: int, prompts, samples, stats: dict, times: tuple[float, float, float, float]
 ) -> dict:
+    """One metrics.jsonl line; `times` are when the rollout started, generation and training
+    ended, and the engine had the new weights."""
+    started, generated, trained, synced = times
     rewards = [s.reward for s in samples]
     response_tokens = sum(len(s.response_ids) for s in samples)
     return {
@@ -149,5 +153,6 @@ def rollout_record(
         "tokens_per_s": response_tokens / max(generated - started, 1e-9),
         "gen_time": generated - started,
         "train_time": trained - generated,
-        "step_time": trained - started,
+        "sync_time": synced - trained,
+        "step_time": synced - started,
     }

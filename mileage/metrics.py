@@ -15,7 +15,9 @@ from mileage.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 # keys that depend on wall-clock time, not on the computation
-TIMING_KEYS = frozenset({"time", "step_time", "gen_time", "train_time", "tokens_per_s"})
+TIMING_KEYS = frozenset(
+    {"time", "step_time", "gen_time", "train_time", "sync_time", "tokens_per_s"}
+)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
