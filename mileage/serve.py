@@ -11,6 +11,12 @@ Endpoints (the SGLang request and reply shapes, the subset mileage uses):
   `completion_tokens` and `weight_version`.
 - `POST /update_weights_from_disk`: `model_path` (an HF directory), optional `weight_version`;
   replies `{"success", "message", "num_paused_requests"}`.
+- `GET /get_server_info`: `tp_size` (1) and `weight_version`.
+- `POST /init_weights_update_group` (`master_address`, `master_port`, `rank_offset`,
+  `world_size`, `group_name`, `backend`) and `POST /update_weights_from_distributed` (`names`,
+  `dtypes`, `shapes`, `group_name`, optional `weight_version`): SGLang's weight transfer over a
+  collective, with gloo (this server runs on the CPU); `--rollout-weight-sync broadcast` uses
+  them (`mileage/rollout/engines/broadcast.py`).
 
 Requests run one at a time, with a fixed thread count and deterministic algorithms, and a row
 with a `sampling_seed` draws from its own generator seeded with it: its sample is a function of
@@ -32,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from mileage.checkpoint.tensors import model_tensors
 from mileage.errors import UserError
 from mileage.models.hf import load_causal_lm, load_tokenizer
 from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
@@ -55,6 +62,7 @@ class EngineServer:
         self.weight_version = "default"
         self.vocab_size = self.engine.model.config.vocab_size
         self.generate_count = 0
+        self.groups: dict = {}  # weight-update process groups by name
         kind, _, count = os.environ.get("MILEAGE_SERVE_FAULT", "").partition(":")
         self.fault = (kind, int(count)) if kind else None
 
@@ -76,6 +84,64 @@ class EngineServer:
             "message": "Succeeded to update model weights.",
             "num_paused_requests": 0,
         }
+
+    def server_info(self) -> dict:
+        return {"tp_size": 1, "dp_size": 1, "weight_version": self.weight_version}
+
+    def init_weights_update_group(self, body: dict) -> dict:
+        from mileage.rollout.engines.broadcast import join_group
+
+        try:
+            address, port = str(body["master_address"]), int(body["master_port"])
+            rank, world_size = int(body["rank_offset"]), int(body["world_size"])
+            name, backend = str(body["group_name"]), str(body.get("backend", "gloo"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RequestError(f"init_weights_update_group: bad or missing field {exc}") from None
+        if backend != "gloo":
+            return {
+                "success": False,
+                "message": f"mileage serve runs on the CPU: gloo, not {backend}",
+            }
+        try:
+            self.groups[name] = join_group(address, port, rank, world_size, backend, name, 600.0)
+        except (RuntimeError, OSError) as exc:
+            return {"success": False, "message": f"joining {name} failed: {exc}"}
+        return {"success": True, "message": f"joined {name} as rank {rank} of {world_size}"}
+
+    def update_weights_from_distributed(self, body: dict) -> dict:
+        import torch.distributed as dist
+
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        group = self.groups.get(body.get("group_name"))
+        if group is None:
+            raise RequestError(f"no weight-update group {body.get('group_name')!r}")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise RequestError("names, dtypes and shapes must be lists")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise RequestError("names, dtypes and shapes must have one entry per tensor")
+        with self.lock:
+            received = {}
+            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.broadcast(tensor, src=0, group=group)  # every tensor, even a bad one
+                received[name] = tensor
+            params = self.engine.model.state_dict()
+            problems = [f"{name}: unknown" for name in received if name not in params]
+            problems += [
+                f"{name}: shape {list(value.shape)}, the model's is {list(params[name].shape)}"
+                for name, value in received.items()
+                if name in params and params[name].shape != value.shape
+            ]
+            missing = sorted(set(model_tensors(self.engine.model)) - set(received))
+            problems += [f"{name}: not sent" for name in missing]
+            if problems:
+                return {"success": False, "message": "; ".join(problems[:3])}
+            with torch.no_grad():
+                for name, value in received.items():
+                    params[name].copy_(value)
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+        return {"success": True, "message": f"loaded {len(received)} tensors"}
 
     def generate(self, body: dict) -> dict | list:
         input_ids = body.get("input_ids")
@@ -182,6 +248,8 @@ def make_handler(server: EngineServer):
         def do_GET(self) -> None:
             if self.path == "/health":
                 self._send(200, {})
+            elif self.path == "/get_server_info":
+                self._send(200, server.server_info())
             elif self.path == "/get_model_info":
                 self._send(
                     200,
@@ -194,6 +262,8 @@ def make_handler(server: EngineServer):
             routes = {
                 "/generate": server.generate,
                 "/update_weights_from_disk": server.update_weights,
+                "/init_weights_update_group": server.init_weights_update_group,
+                "/update_weights_from_distributed": server.update_weights_from_distributed,
             }
             route = routes.get(self.path)
             if route is None:

@@ -307,6 +307,22 @@ MUTANTS = [
         (f"{ENGINES}::test_a_reply_cut_off_mid_body_is_a_bad_reply_not_a_traceback",),
     ),
     Mutant(
+        "broadcast-flag-ignored",
+        "--rollout-weight-sync broadcast still syncs through the disk",
+        "mileage/rollout/engines/factory.py",
+        'cfg.rollout_weight_sync_address if cfg.rollout_weight_sync == "broadcast" else None',
+        "None",
+        (f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk",),
+    ),
+    Mutant(
+        "broadcast-weights-not-loaded",
+        "mileage serve receives broadcast weights but does not load them",
+        "mileage/serve.py",
+        "                    params[name].copy_(value)\n",
+        "                    pass\n",
+        (f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk",),
+    ),
+    Mutant(
         "engine-not-synced-after-training",
         "the servers never get the weights of a training step (they keep the start's)",
         "mileage/loop.py",

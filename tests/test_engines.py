@@ -152,6 +152,21 @@ def test_one_server_draws_the_samples_of_two(reference, servers, builtin_model, 
     assert compare_runs(reference.save, one) == []
 
 
+def test_weights_by_broadcast_equal_weights_from_disk(reference, servers, builtin_model, tmp_path):
+    """--rollout-weight-sync broadcast: both servers join one gloo group with the trainer (SGLang's
+    init_weights_update_group) and receive every update by broadcast (update_weights_from_
+    distributed). The run equals the disk-synced reference bit for bit, and the servers end on
+    the trained weights."""
+    save, disk = tmp_path / "broadcast", tmp_path / "weights"
+    flags = ["--rollout-weight-sync", "broadcast", "--rollout-weights-dir", str(disk)]
+    run_uninterrupted(train_args(servers.urls, 2, *flags), save)
+    assert not disk.exists() or not any(disk.iterdir())  # nothing went through the disk
+    assert_learned(save, builtin_model)
+    assert compare_runs(reference.save, save) == []
+    prompt = probe_prompt(builtin_model)
+    assert [probe_server(url, prompt) for url in servers.urls] == reference.served
+
+
 def same_as_reference(reference: Path, save: Path) -> list[str]:
     """Differences between `save` and the first rollouts of the reference run."""
     diffs = []

@@ -30,6 +30,16 @@ class EngineConfig:
         "where new weights are written for the servers (default: a temporary directory; "
         "servers on other hosts need a shared path)",
     )
+    rollout_weight_sync: str = option(
+        "disk",
+        "how SGLang servers get new weights: disk (an HF directory each server loads) or "
+        "broadcast (SGLang's update_weights_from_distributed: NCCL on GPUs, gloo on the CPU)",
+        choices=("disk", "broadcast"),
+    )
+    rollout_weight_sync_address: str = option(
+        "127.0.0.1",
+        "the trainer's address as the servers reach it (--rollout-weight-sync broadcast)",
+    )
     vllm_python: str | None = option(
         None,
         "Python of the vLLM environment used to launch `vllm serve` "
@@ -69,6 +79,11 @@ class EngineConfig:
         ):
             if value <= 0:
                 raise UserError(f"{flag} must be positive, got {value}")
+        if self.rollout_weight_sync == "broadcast" and self.rollout_engine != "sglang":
+            raise UserError(
+                "--rollout-weight-sync broadcast is SGLang's update_weights_from_distributed; "
+                f"--rollout-engine {self.rollout_engine} syncs through the disk"
+            )
         for url in self.rollout_url:
             if not url.startswith(("http://", "https://")):
                 raise UserError(f"--rollout-url {url!r} must start with http:// or https://")

@@ -25,6 +25,9 @@ def build_engine(
             cfg.rollout_attempts,
             cfg.rollout_sync_timeout,
             cfg.rollout_weights_dir,
+            broadcast_from=(
+                cfg.rollout_weight_sync_address if cfg.rollout_weight_sync == "broadcast" else None
+            ),
         )
     from mileage.rollout.engines.vllm import VLLMEngine
 

@@ -45,6 +45,21 @@ def post_json(url: str, payload: Any, timeout: float) -> Any:
         raise BadReply(f"reply is not JSON: {body[:80]!r}") from None
 
 
+def get_json(url: str, timeout: float) -> Any:
+    """GET `url`, return the parsed reply; raises OSError/BadReply on failure."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            body = reply.read()
+    except urllib.error.HTTPError as exc:
+        raise BadReply(f"HTTP {exc.code}") from None
+    except http.client.HTTPException as exc:
+        raise BadReply(f"broken reply ({type(exc).__name__})") from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise BadReply(f"reply is not JSON: {body[:80]!r}") from None
+
+
 def get_ok(url: str, timeout: float) -> bool:
     """Whether GET `url` answers 200 within `timeout`."""
     try:

@@ -4,7 +4,8 @@
 row and `return_logprob: true`; each row's reply carries `meta_info.output_token_logprobs`
 (`[log-prob, token id, text]` per generated token), `meta_info.finish_reason.type` ("stop" or
 "length") and `meta_info.weight_version`. New weights: `POST /update_weights_from_disk` with
-`model_path` and `weight_version`.
+`model_path` and `weight_version`, or over a collective (`--rollout-weight-sync broadcast`,
+`broadcast.py`).
 
 One request carries one prompt's group of samples (or, for greedy evaluation, a fixed chunk of
 prompts), and request i starts at server i mod n: whole groups are spread over the servers and
@@ -21,6 +22,7 @@ import torch
 from mileage.errors import UserError
 from mileage.rollout.engine import Completion, SamplingParams
 from mileage.rollout.engines.base import SamplingSeed
+from mileage.rollout.engines.broadcast import BroadcastWeights
 from mileage.rollout.engines.http import BadReply, ServerPool
 from mileage.rollout.engines.weights import DiskWeights
 
@@ -52,14 +54,23 @@ class SGLangEngine:
         attempts: int,
         sync_timeout: float,
         weights_dir: str | None,
+        broadcast_from: str | None = None,
     ):
         self.pool = ServerPool(urls, timeout, attempts, "sglang rollout")
         self.vocab_size = vocab_size
         self.sync_timeout = sync_timeout
         self.weights = DiskWeights(weights_dir)
+        # --rollout-weight-sync broadcast: over a collective, from this address
+        self.broadcast = (
+            BroadcastWeights(self.pool, sync_timeout, broadcast_from) if broadcast_from else None
+        )
         self.weight_version = -1  # nothing synced yet: every reply is stale until then
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
+        if self.broadcast is not None:
+            self.broadcast.send(model, version)  # every server has them, or the run stops
+            self.weight_version = version
+            return
         path = self.weights.write(model)
         payload = {"model_path": str(path), "weight_version": str(version)}
         results = self.pool.broadcast("/update_weights_from_disk", payload, self.sync_timeout)
@@ -144,3 +155,5 @@ class SGLangEngine:
 
     def close(self) -> None:
         self.weights.close()
+        if self.broadcast is not None:
+            self.broadcast.close()
