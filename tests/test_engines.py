@@ -306,6 +306,7 @@ def test_samples_of_an_older_weight_version_are_refused(tiny_hf):
             ],
             "--use-tis corrects",
         ),  # fmt: skip
+        (["--rollout-weight-sync", "broadcast"], "--rollout-engine local syncs through the disk"),
     ],
 )
 def test_engine_flags_are_checked(args, message, tiny_hf, capsys, mileage_home):
