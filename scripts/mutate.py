@@ -147,7 +147,8 @@ MUTANTS = [
         "mileage/metrics.py",
         '            kept = [r for r in read_metrics(self.path.parent) if r["rollout_id"] < rollout_id]\n',
         "            kept = read_metrics(self.path.parent)\n",
-        (RESUME,),
+        # a kill after logging and before the save leaves records the resume must drop
+        (f"{CRASH}::test_sync_kills_resume_to_the_uninterrupted_tensors_and_metrics",),
     ),
     Mutant(
         "tracker-before-rename",
@@ -179,7 +180,10 @@ MUTANTS = [
         "mileage/checkpoint/writer.py",
         "    def save(self, rollout_id: int, state: CheckpointState) -> None:\n        self.wait()\n",
         "    def save(self, rollout_id: int, state: CheckpointState) -> None:\n",
-        (f"{CRASH}::test_async_kills_resume_to_the_uninterrupted_tensors_and_metrics",),
+        (
+            "tests/test_checkpoint_tools.py::"
+            "test_a_background_save_finishes_before_the_next_one_reuses_its_buffers",
+        ),
     ),
     Mutant(
         "positivity-check-removed",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +154,39 @@ def test_tied_embeddings_are_stored_once_and_load_tied(tiny_hf, tmp_path):
     assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
     for name, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def test_a_background_save_finishes_before_the_next_one_reuses_its_buffers(tmp_path, monkeypatch):
+    """--async-save: the next save's snapshot is copied into the previous snapshot's buffers, so
+    it must wait until that one is written. A slow disk (a commit held until released) makes the
+    overlap certain instead of a race the end-to-end chains can miss."""
+    import threading
+
+    from mileage.checkpoint import writer as writer_module
+    from mileage.checkpoint.store import CheckpointState
+    from mileage.checkpoint.writer import CheckpointWriter
+
+    written, release = {}, threading.Event()
+
+    def slow_commit(save_dir, rollout_id, state):
+        if rollout_id == 0:
+            release.wait(timeout=60)
+        written[rollout_id] = state.model["w"].clone()
+        return Path(save_dir) / f"iter_{rollout_id}"
+
+    monkeypatch.setattr(writer_module, "commit_checkpoint", slow_commit)
+    monkeypatch.setattr(writer_module, "prune_checkpoints", lambda *args: [])
+    writer = CheckpointWriter(tmp_path, async_save=True)
+    writer.save(0, CheckpointState(model={"w": torch.zeros(4)}, meta={}))
+    second = threading.Thread(
+        target=writer.save, args=(1, CheckpointState(model={"w": torch.ones(4)}, meta={}))
+    )
+    second.start()
+    second.join(timeout=0.5)
+    still_waiting = second.is_alive()
+    release.set()
+    second.join(timeout=60)
+    writer.wait()
+    assert still_waiting, "the second save did not wait for the first one"
+    assert torch.equal(written[0], torch.zeros(4)), "the first save wrote the second's values"
+    assert torch.equal(written[1], torch.ones(4))
