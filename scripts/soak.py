@@ -36,15 +36,14 @@ import torch
 
 from mileage.checkpoint.layout import read_tracker
 from mileage.testing.compare import compare_runs, count_tensor_differences
-from mileage.testing.crash import (
+from mileage.testing.crash import run_uninterrupted, run_with_kills
+from mileage.testing.kills import (
     KILL_POINTS,
     SAVE_POINTS,
     STEPS_PER_ROLLOUT,
     Kill,
     Outcome,
     crash_run_args,
-    run_uninterrupted,
-    run_with_kills,
 )
 
 

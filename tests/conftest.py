@@ -126,7 +126,8 @@ def assert_learned(save: Path, start: Path) -> None:
 @pytest.fixture(scope="session")
 def crash_reference(builtin_model, tmp_path_factory):
     """An uninterrupted run of the crash harness's command (sync saves): (save dir, launch)."""
-    from mileage.testing.crash import crash_run_args, run_uninterrupted
+    from mileage.testing.crash import run_uninterrupted
+    from mileage.testing.kills import crash_run_args
 
     save = tmp_path_factory.mktemp("reference") / "run"
     launch = run_uninterrupted(crash_run_args(), save)
@@ -137,7 +138,8 @@ def crash_reference(builtin_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def crash_reference_async(builtin_model, tmp_path_factory) -> Path:
     """The same run with --async-save (its checkpoints must equal the sync run's)."""
-    from mileage.testing.crash import crash_run_args, run_uninterrupted
+    from mileage.testing.crash import run_uninterrupted
+    from mileage.testing.kills import crash_run_args
 
     save = tmp_path_factory.mktemp("reference_async") / "run"
     run_uninterrupted(crash_run_args(async_save=True), save)

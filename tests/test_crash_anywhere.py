@@ -13,17 +13,15 @@ from pathlib import Path
 import pytest
 
 from mileage.testing.compare import LEFTOVER_DIFF, compare_runs
-from mileage.testing.crash import (
+from mileage.testing.crash import aimed_random_kills, outcome_table, run_with_kills
+from mileage.testing.kills import (
     LOOP_POINTS,
     SAVE_POINTS,
     Kill,
     Launch,
     Outcome,
-    aimed_random_kills,
     crash_run_args,
     landed_mid_run,
-    outcome_table,
-    run_with_kills,
 )
 
 pytestmark = pytest.mark.slow

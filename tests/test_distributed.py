@@ -46,14 +46,8 @@ from mileage.distributed.checkpoint import gather_rng, rng_of_this_rank
 from mileage.metrics import METRICS_FILE, read_metrics
 from mileage.testing import resave
 from mileage.testing.compare import compare_runs, compare_tensors
-from mileage.testing.crash import (
-    Kill,
-    Outcome,
-    outcome_table,
-    run_uninterrupted,
-    run_with_kills,
-    train_command,
-)
+from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills, train_command
+from mileage.testing.kills import Kill, Outcome
 
 NPROC = 2
 NUM_ROLLOUT = 2

@@ -32,7 +32,8 @@ from mileage.rollout.engines.http import post_json
 from mileage.rollout.rewards.rules import exact_reward
 from mileage.rollout.rollout import PromptEncoder, generate_samples
 from mileage.testing.compare import compare_checkpoints, compare_runs
-from mileage.testing.crash import Kill, outcome_table, run_uninterrupted, run_with_kills
+from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
+from mileage.testing.kills import Kill
 from mileage.testing.servers import ServeProcess, start_servers
 
 # 32 samples a rollout in two optimizer steps, so a kill can land between them

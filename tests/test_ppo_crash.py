@@ -10,14 +10,8 @@ from conftest import assert_learned
 
 from mileage.checkpoint.layout import CRITIC_DIR, checkpoint_path
 from mileage.testing.compare import compare_runs
-from mileage.testing.crash import (
-    PPO_SAVE_POINTS,
-    Kill,
-    outcome_table,
-    ppo_crash_run_args,
-    run_uninterrupted,
-    run_with_kills,
-)
+from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
+from mileage.testing.kills import PPO_SAVE_POINTS, Kill, ppo_crash_run_args
 
 NUM_ROLLOUT = 4
 

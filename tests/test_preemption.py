@@ -139,7 +139,8 @@ def test_stale_lock_of_a_dead_process_is_taken_over(cli, tiny_hf, tmp_path):
 @pytest.mark.slow
 def test_sigterm_stopped_run_rerun_equals_the_uninterrupted_run(crash_reference, tmp_path):
     from mileage.testing.compare import compare_runs
-    from mileage.testing.crash import crash_run_args, launch
+    from mileage.testing.crash import launch
+    from mileage.testing.kills import crash_run_args
 
     reference, _ = crash_reference
     save, args = tmp_path / "run", crash_run_args()
@@ -169,7 +170,8 @@ def test_second_signal_inside_a_save_leaves_a_state_that_resumes_exactly(
     crash_reference, crash_reference_async, tmp_path, async_save
 ):
     from mileage.testing.compare import compare_runs
-    from mileage.testing.crash import crash_run_args, launch
+    from mileage.testing.crash import launch
+    from mileage.testing.kills import crash_run_args
 
     reference = crash_reference_async if async_save else crash_reference[0]
     save, args = tmp_path / "run", crash_run_args(async_save=async_save)

@@ -13,7 +13,8 @@ from conftest import assert_learned
 from mileage.checkpoint.inspect import verify_save_dir
 from mileage.checkpoint.layout import STAGING_PREFIX, read_tracker
 from mileage.testing.compare import compare_runs
-from mileage.testing.crash import COMMITTED_SAVE_POINTS, SAVE_POINTS, crash_run_args, launch
+from mileage.testing.crash import launch
+from mileage.testing.kills import COMMITTED_SAVE_POINTS, SAVE_POINTS, crash_run_args
 
 pytestmark = pytest.mark.slow
 
