@@ -327,6 +327,14 @@ MUTANTS = [
         (f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk",),
     ),
     Mutant(
+        "torchrun-workers-outlive-launcher",
+        "torchrun workers do not die with a SIGKILLed torchrun (they hold the lock)",
+        "mileage/distributed/env.py",
+        "    die_with_parent(signal.SIGKILL)\n",
+        "",
+        (f"{DIST}::test_a_sigkilled_torchrun_takes_its_workers_with_it_and_the_rerun_resumes",),
+    ),
+    Mutant(
         "engine-not-synced-after-training",
         "the servers never get the weights of a training step (they keep the start's)",
         "mileage/loop.py",

@@ -19,6 +19,7 @@ SIGTERM and the lock take one launch each. Longer soaks: `scripts/soak.py --npro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -363,6 +364,57 @@ def test_sigterm_to_torchrun_saves_on_all_ranks_and_they_exit_0(builtin_model, t
     assert verify_checkpoint(checkpoint_path(save, logged)) == []
     # both workers exited 0; torchrun itself reports the signal it got (exit code 1)
     assert "exitcode  : -" not in stderr and "exitcode  : 1" not in stderr, stderr[-2000:]
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_sigkilled_torchrun_takes_its_workers_with_it_and_the_rerun_resumes(
+    builtin_model, tmp_path
+):
+    """torchrun starts each worker in a session of its own, so killing torchrun (alone, as an
+    OOM killer or `kill -9 PID` would) used to leave both workers running, holding the lock."""
+    save = tmp_path / "killed"
+    args = [*ARGS[:1], "3", *ARGS[2:]]
+    proc = subprocess.Popen(
+        train_command(args, save, NPROC),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **torchrun_env()},
+        cwd=REPO,
+        start_new_session=True,
+    )
+    workers = []
+    try:
+        deadline = time.monotonic() + 240
+        while not read_metrics(save) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert read_metrics(save), "no rollout finished in time"
+        workers = children_of(proc.pid)
+        assert len(workers) == NPROC
+        proc.kill()  # torchrun alone
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = [w for w in workers if Path(f"/proc/{w}").exists()]
+        assert survivors == [], "workers outlived torchrun"
+    finally:
+        for pid in [proc.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    done = run_train(args, save, nproc=NPROC)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [r["rollout_id"] for r in read_metrics(save)] == [0, 1, 2]
 
 
 def test_second_torchrun_job_on_a_save_in_use_exits_2_on_every_rank(builtin_model, tmp_path):

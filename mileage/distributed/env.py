@@ -9,6 +9,7 @@ helper here answers for a single process, so the single-process path stays as it
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mileage.parent_death import die_with_parent
 
 # a collective that waits longer than this on a dead peer fails instead of hanging forever
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -64,6 +67,9 @@ def session() -> Iterator[None]:
     if world_size() <= 1 or dist.is_initialized():
         yield
         return
+    # torchrun starts each worker in a session of its own: without this, a SIGKILLed torchrun
+    # leaves its workers running, holding the lock, until their next collective times out
+    die_with_parent(signal.SIGKILL)
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -10,7 +10,6 @@ takes the server and everything the server started (vLLM's engine-core processes
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -19,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
+from mileage.parent_death import die_with_parent
 
 
 def free_port() -> int:
@@ -35,9 +34,8 @@ def _kill_group(*_args) -> None:
 
 def supervise(parent: int, command: list[str]) -> int:
     signal.signal(signal.SIGTERM, _kill_group)
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    if os.getppid() != parent:  # the parent died before the signal was armed
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before this process even started
         _kill_group()
     child = subprocess.Popen(command)  # same process group as this supervisor
     return child.wait()

@@ -1,0 +1,28 @@
+"""Dying with the parent process: Linux's PR_SET_PDEATHSIG, for processes that must not outlive
+the one that started them (a launched server's supervisor; a torchrun worker, whose launcher
+starts it in a session of its own, so a SIGKILL of torchrun would otherwise leave it running,
+holding the run's lock until its next collective times out)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: signal.Signals) -> bool:
+    """Have the kernel send `sig` to this process when its parent exits.
+
+    Returns False where that is not available (not Linux). If the parent is already gone when
+    the signal is armed, the signal is sent now, so there is no window in which it is lost.
+    """
+    parent = os.getppid()
+    armed = False
+    with contextlib.suppress(OSError, AttributeError):
+        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig)) == 0
+    if armed and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return armed
