@@ -1,7 +1,16 @@
 """`python -m mileage` is the `mileage` command."""
 
+import os
+import signal
 import sys
 
-from mileage.cli.main import main
+if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # a torchrun worker: armed before the heavy imports, so that a launcher killed while the
+    # workers start up does not leave them waiting for a rendezvous that never comes
+    from mileage.parent_death import die_with_parent
+
+    die_with_parent(signal.SIGKILL)
+
+from mileage.cli.main import main  # noqa: E402
 
 sys.exit(main())

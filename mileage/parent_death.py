@@ -16,13 +16,14 @@ PR_SET_PDEATHSIG = 1
 def die_with_parent(sig: signal.Signals) -> bool:
     """Have the kernel send `sig` to this process when its parent exits.
 
-    Returns False where that is not available (not Linux). If the parent is already gone when
-    the signal is armed, the signal is sent now, so there is no window in which it is lost.
+    Returns False where that is not available (not Linux). A parent that is already gone when
+    the signal is armed (this process was re-parented to init, or the parent changed while
+    arming) gets the signal sent now, so there is no window in which it is lost.
     """
     parent = os.getppid()
     armed = False
     with contextlib.suppress(OSError, AttributeError):
         armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig)) == 0
-    if armed and os.getppid() != parent:
+    if armed and (parent == 1 or os.getppid() != parent):
         os.kill(os.getpid(), sig)
     return armed

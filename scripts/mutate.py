@@ -329,9 +329,9 @@ MUTANTS = [
     Mutant(
         "torchrun-workers-outlive-launcher",
         "torchrun workers do not die with a SIGKILLed torchrun (they hold the lock)",
-        "mileage/distributed/env.py",
-        "    die_with_parent(signal.SIGKILL)\n",
-        "",
+        "mileage/parent_death.py",
+        "    parent = os.getppid()\n    armed = False\n",
+        "    return False\n",
         (f"{DIST}::test_a_sigkilled_torchrun_takes_its_workers_with_it_and_the_rerun_resumes",),
     ),
     Mutant(
