@@ -328,7 +328,7 @@ MUTANTS = [
     ),
     Mutant(
         "torchrun-workers-outlive-launcher",
-        "torchrun workers do not die with a SIGKILLed torchrun (they hold the lock)",
+        "torchrun workers do not die with a SIGKILLed torchrun",
         "mileage/parent_death.py",
         "    parent = os.getppid()\n    armed = False\n",
         "    return False\n",
