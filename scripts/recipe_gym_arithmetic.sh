@@ -4,13 +4,16 @@
 # and last rollouts and the held-out score before and after, and draws the metrics plot.
 #
 #   scripts/recipe_gym_arithmetic.sh [OUT_DIR]        (default runs/recipe)
-#   THREADS=2 ROLLOUTS=30 scripts/recipe_gym_arithmetic.sh
+#   THREADS=2 ROLLOUTS=20 LR=1e-5 TEMP=1.0 LEN=16 scripts/recipe_gym_arithmetic.sh   (the defaults)
 #
 # Rerunning the same command after a kill resumes exactly; on a finished run it only reports.
 set -euo pipefail
 OUT=${1:-runs/recipe}
 THREADS=${THREADS:-2}
-ROLLOUTS=${ROLLOUTS:-30}
+ROLLOUTS=${ROLLOUTS:-20}
+LR=${LR:-1e-5}
+TEMP=${TEMP:-1.0}
+LEN=${LEN:-16}
 PY=${PY:-python}
 HF=$($PY -m mileage smollm2 | tail -n 1)
 
@@ -21,7 +24,7 @@ mkdir -p "$(dirname "$OUT")"
 start=$(date +%s)
 $PY -m mileage train --hf-checkpoint "$HF" --prompt-data "$TASK" --apply-chat-template \
   --num-rollout "$ROLLOUTS" --rollout-batch-size 8 --n-samples-per-prompt 8 \
-  --rollout-max-response-len 8 --rollout-temperature 0.7 --lr 3e-5 \
+  --rollout-max-response-len "$LEN" --rollout-temperature "$TEMP" --lr "$LR" \
   --eval-interval 10 --num-threads "$THREADS" \
   --save "$OUT" --load "$OUT" --save-interval 10 --save-keep-last 1 2>&1 | tee -a "$OUT.log"
 end=$(date +%s)
