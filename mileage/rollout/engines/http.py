@@ -24,12 +24,8 @@ class BadReply(Exception):
     """A server answered, but not with what was asked for (garbage, stale weights)."""
 
 
-def post_json(url: str, payload: Any, timeout: float) -> Any:
-    """POST `payload` as JSON, return the parsed reply; raises OSError/BadReply on failure."""
-    data = json.dumps(payload).encode()
-    request = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
-    )
+def _json_reply(request: urllib.request.Request | str, timeout: float) -> Any:
+    """Send `request`, return the parsed reply; raises OSError/BadReply on failure."""
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             body = reply.read()
@@ -45,19 +41,18 @@ def post_json(url: str, payload: Any, timeout: float) -> Any:
         raise BadReply(f"reply is not JSON: {body[:80]!r}") from None
 
 
+def post_json(url: str, payload: Any, timeout: float) -> Any:
+    """POST `payload` as JSON, return the parsed reply; raises OSError/BadReply on failure."""
+    data = json.dumps(payload).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    return _json_reply(request, timeout)
+
+
 def get_json(url: str, timeout: float) -> Any:
     """GET `url`, return the parsed reply; raises OSError/BadReply on failure."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
-            body = reply.read()
-    except urllib.error.HTTPError as exc:
-        raise BadReply(f"HTTP {exc.code}") from None
-    except http.client.HTTPException as exc:
-        raise BadReply(f"broken reply ({type(exc).__name__})") from None
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise BadReply(f"reply is not JSON: {body[:80]!r}") from None
+    return _json_reply(url, timeout)
 
 
 def get_ok(url: str, timeout: float) -> bool:
