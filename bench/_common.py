@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,11 +114,66 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return text
 
 
-def write_results(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {path.relative_to(REPO)}", flush=True)
+def results_path(out: str) -> Path:
+    """Where `--out OUT` writes its JSON. A bare name (`rl_step`, `x.json`) lands in
+    bench/results/; anything with a directory part (`../x.json`, `/tmp/x`, `./x`, `~/x`) is a
+    path from the working directory. `.json` is added only when the name lacks it."""
+    from mileage.errors import UserError
+
+    if not out.strip():
+        raise UserError("--out is empty; give a results name or a file path")
+    path = Path(out).expanduser()
+    if out.endswith(("/", os.sep)) or path.name in ("", ".", ".."):
+        raise UserError(f"--out {out} names a directory; give a file name, e.g. {out}/result.json")
+    if "/" not in out and os.sep not in out and not out.startswith("~"):  # Path drops a "./"
+        path = RESULTS / path
+    path = Path.cwd() / path  # an absolute path stays as it is
+    if path.suffix.lower() != ".json":
+        path = path.with_name(path.name + ".json")
+    return path
+
+
+def checked_results_path(out: str) -> Path:
+    """`results_path(out)`, refused before any measuring if the JSON could not be written there."""
+    from mileage.errors import UserError
+
+    path = results_path(out)
+    if path.parent == RESULTS:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise UserError(f"--out {out}: {path} is a directory; give a file name")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise UserError(f"--out {out}: {path.parent} is not a directory")
+    if not path.parent.is_dir():
+        raise UserError(f"--out {out}: the directory {path.parent} does not exist")
+    try:  # a real write, so a read-only file system or a root-owned directory is caught now
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}."):
+            pass
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write in {path.parent} ({exc.strerror})") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UserError(f"--out {out}: {path} exists and is not writable")
+    return path
+
+
+def output_path(out: str) -> Path:
+    """`checked_results_path` for a benchmark's main: a bad --out is one line and exit 2."""
+    from mileage.errors import UserError
+
+    try:
+        return checked_results_path(out)
+    except UserError as exc:
+        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+
+
+def write_results(path: Path, payload: dict) -> Path:
+    """Write the JSON at `path` (from `output_path`, checked before measuring), atomically."""
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    os.replace(staging, path)
+    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    print(f"wrote {shown}", flush=True)
     return path
 
 

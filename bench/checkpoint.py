@@ -275,7 +275,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=3.0, help="seconds of pause before each write")
     p.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     p.add_argument("--dir", help="where to write (default: a new temp dir under $TMPDIR)")
-    p.add_argument("--out", help="results name (default checkpoint_MODEL)")
+    p.add_argument(
+        "--out", help="results name or file (default checkpoint_MODEL; see rl_step.py --help)"
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one operation, as JSON
     return p.parse_args(argv)
 
@@ -352,6 +354,7 @@ def main(argv=None) -> int:
 
         print(json.dumps((save_op if "save" in spec["op"] else load_op)(spec["op"], spec)))
         return 0
+    out = common.output_path(args.out or f"checkpoint_{args.model}")  # before measuring
     from mileage.models.tiny import ensure_builtin_model
 
     if args.model == "smollm2" and not args.hf_dir:
@@ -392,7 +395,7 @@ def main(argv=None) -> int:
     machine = {**info, "filesystem": fs, "code": code, "load_average_end": common.load_average()}
     payload = {"benchmark": "checkpoint", "machine": machine, "settings": settings, "rows": rows,
                "model_dir": config_dir, "notes": notes, "raw": results, "table": table}  # fmt: skip
-    common.write_results(args.out or f"checkpoint_{args.model}", payload)
+    common.write_results(out, payload)
     return 0
 
 

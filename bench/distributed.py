@@ -27,7 +27,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import REPO, load_average, machine_info, median, print_table, write_results
+from _common import (
+    REPO,
+    load_average,
+    machine_info,
+    median,
+    output_path,
+    print_table,
+    write_results,
+)
 
 PROBE = Path(__file__).resolve().parent / "_rank_probe.py"
 
@@ -88,6 +96,7 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=4, help="rollouts per run (1 is warm-up)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per model and N")
     args = parser.parse_args()
+    out = output_path("distributed")
     models = [("tiny", None)] + ([("smollm2", args.smollm2_dir)] if args.smollm2_dir else [])
     before = load_average()
     rows = []
@@ -115,7 +124,7 @@ def main() -> None:
         ],
     )
     write_results(
-        "distributed",
+        out,
         {
             "machine": machine_info(1),
             "load_before": before,

@@ -31,6 +31,7 @@ from _common import (
     load_average,
     machine_info,
     median,
+    output_path,
     print_table,
     spread,
     write_results,
@@ -55,7 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--vllm-python", help="Python of a vLLM venv: adds vLLM (scripts/install_vllm.sh)"
     )
     p.add_argument("--vllm-args", default="--kv-cache-memory-bytes 4G --max-num-seqs 256")
-    p.add_argument("--out", default="generation", help="results name (bench/results/NAME.json)")
+    p.add_argument(
+        "--out",
+        default="generation",
+        help="results file: a bare NAME is bench/results/NAME.json, a path is used as given "
+        "(.json added when missing)",
+    )
     return p.parse_args(argv)
 
 
@@ -206,6 +212,7 @@ def bench_model(name, model_dir, dtypes, batch_sizes, args, repeats) -> list[dic
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    out = output_path(args.out)  # before measuring, not after it
     import torch
 
     from mileage.models.hf import load_tokenizer  # noqa: F401  (offline, quiet HF)
@@ -252,7 +259,7 @@ def main(argv=None) -> int:
         ],
     )
     write_results(
-        args.out,
+        out,
         {
             "benchmark": "generation",
             "machine": info,

@@ -49,6 +49,7 @@ from _common import (
     load_average,
     machine_info,
     median,
+    output_path,
     print_table,
     spread,
     write_results,
@@ -159,7 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--cold", action="store_true", help="drop model/checkpoint files from the page cache"
     )
-    p.add_argument("--out", help="results name (default resume_tiny / resume_smollm2)")
+    p.add_argument(
+        "--out",
+        help="results name or file (default resume_tiny / resume_smollm2; see rl_step.py --help)",
+    )
     p.add_argument("--trace", help=argparse.SUPPRESS)  # internal: run the CLI traced
     return p.parse_args(argv)
 
@@ -198,9 +202,10 @@ def main(argv=None) -> int:
         sep = sys.argv.index("--")
         return traced_main(sys.argv[2], sys.argv[sep + 1 :])
     args = parse_args(argv)
+    model = "smollm2" if args.smollm2_dir else "tiny"
+    out = output_path(args.out or f"resume_{model}")  # before measuring, not after it
     from mileage.models.tiny import ensure_builtin_model
 
-    model = "smollm2" if args.smollm2_dir else "tiny"
     model_dir = args.smollm2_dir or str(ensure_builtin_model("addition"))
     info = machine_info(args.threads)
     dirty = " + uncommitted mileage/" if output("git", "status", "--porcelain", "mileage") else ""
@@ -260,7 +265,7 @@ def main(argv=None) -> int:
     )
     print(note)
     write_results(
-        args.out or f"resume_{model}",
+        out,
         {
             "benchmark": "resume",
             "machine": {**info, "load_average_end": load_average()},

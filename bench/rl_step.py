@@ -37,6 +37,7 @@ from _common import (
     load_average,
     machine_info,
     median,
+    output_path,
     print_table,
     spread,
     write_results,
@@ -66,7 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated: mileage (local engine), mileage-vllm (needs --vllm-python), trl",
     )
     p.add_argument("--vllm-python", help="Python of a vLLM venv (scripts/install_vllm.sh)")
-    p.add_argument("--out", default="rl_step", help="results name (bench/results/NAME.json)")
+    p.add_argument(
+        "--out",
+        default="rl_step",
+        help="results file: a bare NAME is bench/results/NAME.json, a path is used as given "
+        "(.json added when missing)",
+    )
     # internal: one TRL run in this process, results written as JSON to --worker-out
     p.add_argument("--worker", choices=("trl",), help=argparse.SUPPRESS)
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
@@ -277,6 +283,7 @@ def main(argv=None) -> int:
     if args.worker == "trl":
         return trl_worker(args)
 
+    out = output_path(args.out)  # before a minute of measuring, not after it
     from mileage.models.tiny import ensure_builtin_model
 
     frameworks = args.frameworks.split(",")
@@ -334,7 +341,7 @@ def main(argv=None) -> int:
         ],
     )
     write_results(
-        args.out,
+        out,
         {
             "benchmark": "rl_step",
             "machine": info,
