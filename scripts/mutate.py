@@ -47,6 +47,8 @@ SYNC_FAULT_CHAIN = (
 )
 PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
+BUILTIN = "tests/test_builtin_model.py"
+BENCH_PATHS = "tests/test_bench_paths.py"
 
 
 @dataclass(frozen=True)
@@ -451,6 +453,30 @@ MUTANTS = [
         "    error = env.broadcast_object(error)\n",
         "",
         (f"{DIST}::test_second_torchrun_job_on_a_save_in_use_exits_2_on_every_rank",),
+    ),
+    Mutant(
+        "builtin-shipped-sha-unchecked",
+        "the shipped built-in weights are unpacked without checking their pinned sha256",
+        "mileage/models/tiny.py",
+        "    if actual != expected:\n",
+        "    if False:\n",
+        (BUILTIN,),
+    ),
+    Mutant(
+        "builtin-cache-trusted",
+        "a cached built-in model is used without checking it is the shipped one",
+        "mileage/models/tiny.py",
+        "        if file_sha256(weights) == expected:\n",
+        "        if True:\n",
+        (BUILTIN,),
+    ),
+    Mutant(
+        "bench-out-suffix-always-added",
+        "the benchmarks' --out gets .json appended even when it has it (x.json.json)",
+        "bench/_common.py",
+        '    if path.suffix.lower() != ".json":\n',
+        "    if True:\n",
+        (BENCH_PATHS,),
     ),
 ]
 

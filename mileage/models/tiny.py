@@ -3,24 +3,34 @@
 `ensure_builtin_model(task)` returns a plain Hugging Face directory (config.json,
 model.safetensors, tokenizer.json) holding that model after a short supervised warm-up, so the
 rest of mileage treats it exactly like any `--hf-checkpoint`. The directory is cached under
-`$MILEAGE_HOME` (default `~/.cache/mileage`) and keyed by everything that shapes the weights;
-building it twice gives bit-identical weights (fixed seed, fixed thread count, fixed data order).
+`$MILEAGE_HOME` (default `~/.cache/mileage`).
+
+The warm-up is deterministic on one CPU but not across CPUs: matmul kernels for AVX2, AVX-512
+and AMX sum in different orders, and 200 optimizer steps turn those last bits into another
+model. So the tasks in `SHIPPED_WEIGHTS` ship their fp32 weights inside the package (written by
+`scripts/build_builtin_model.py`, checked against the sha256 pinned here) and every machine
+starts from the same bits without a minute of training. Other tasks are warmed up on first use,
+reproducibly on that CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import platform
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from mileage.errors import UserError
 from mileage.rollout.tasks import builtin_alphabet, builtin_task
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -39,6 +49,14 @@ WARMUP_RECIPE = {
     "clip_grad": 1.0,
     "threads": 2,
     "version": 3,
+}
+# The weights shipped in the package (mileage/models/builtin/TASK.safetensors, fp32, exactly as
+# `save_pretrained` writes them) and their sha256. A damaged install or a Git LFS pointer in
+# place of the file fails this pin instead of loading other weights. Rebuild and re-pin with
+# `python scripts/build_builtin_model.py --task TASK`.
+SHIPPED_DIR = Path(__file__).resolve().parent / "builtin"
+SHIPPED_WEIGHTS = {
+    "addition": "bab5daaf8ca8ce7e8c23b3a73126ded136e83e9244768a2afdd3ce508e9e1030",
 }
 
 
@@ -94,10 +112,20 @@ def mileage_home() -> Path:
 
 
 def builtin_model_dir(task: str) -> Path:
-    """Where the warmed-up model for `task` lives; the name changes whenever the recipe does."""
+    """Where the model for `task` lives; the name changes whenever its weights (or recipe) do."""
+    if task in SHIPPED_WEIGHTS:
+        return mileage_home() / "builtin" / f"tiny-{task}-{SHIPPED_WEIGHTS[task][:12]}"
     key = json.dumps({"task": task, **WARMUP_RECIPE}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return mileage_home() / "builtin" / f"tiny-{task}-{digest}"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _warmup_batches(tokenizer, records, batch_size: int, generator: torch.Generator):
@@ -160,13 +188,10 @@ def warm_up(model, tokenizer, records, recipe: dict, log=print) -> tuple[int, fl
     return step, accuracy
 
 
-def ensure_builtin_model(task: str, log=print) -> Path:
-    """Build (once) and return the HF directory of the warmed-up built-in model for `task`."""
-    target = builtin_model_dir(task)
-    if (target / "model.safetensors").exists():
-        return target
-    log(f"building the built-in {task} model (one-time, ~1 min) into {target}")
-    started = time.perf_counter()
+def build_warmed_up_model(
+    task: str, log=print
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, dict]:
+    """The warm-up from a fixed seed: (model, tokenizer, provenance). Bit-identical on one CPU."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(WARMUP_RECIPE["threads"])
     try:
@@ -174,27 +199,127 @@ def ensure_builtin_model(task: str, log=print) -> Path:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(WARMUP_RECIPE["seed"])
             tokenizer = build_char_tokenizer(builtin_alphabet())
-            config = tiny_llama_config(
-                len(tokenizer),
-                tokenizer.pad_token_id,
-                tokenizer.bos_token_id,
-                tokenizer.eos_token_id,
-            )
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(_builtin_config(tokenizer))
             train, _ = builtin_task(task)
             steps, accuracy = warm_up(model, tokenizer, train, WARMUP_RECIPE, log=log)
     finally:
         torch.set_num_threads(previous_threads)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    return model, tokenizer, {"task": task, **WARMUP_RECIPE, "steps": steps, "accuracy": accuracy}
+
+
+def build_builtin_weights(task: str, out_dir: Path, log=print) -> Path:
+    """Warm up `task` and write OUT_DIR/TASK.safetensors plus TASK.json (provenance, sha256): the
+    files that ship in the package. Used by scripts/build_builtin_model.py."""
+    model, _, info = build_warmed_up_model(task, log=log)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        model.save_pretrained(tmp)
+        weights = out_dir / f"{task}.safetensors"
+        os.replace(Path(tmp) / "model.safetensors", weights)
+    info["sha256"] = file_sha256(weights)
+    info["built_on"] = {
+        "cpu": _cpu_model() or platform.processor(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    (out_dir / f"{task}.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+    return weights
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def _builtin_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    return tiny_llama_config(
+        len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
+    )
+
+
+def _unpack_shipped(task: str, expected: str, staging: Path) -> None:
+    """The shipped weights, verified against the pin, plus the config and tokenizer around them."""
+    source = SHIPPED_DIR / f"{task}.safetensors"
+    if not source.is_file():
+        raise UserError(
+            f"the built-in {task} model's weights are missing from this install ({source}); "
+            "reinstall mileage"
+        )
+    weights = staging / "model.safetensors"
+    shutil.copyfile(source, weights)
+    actual = file_sha256(weights)  # the copy is what runs load, so the copy is what is checked
+    if actual != expected:
+        raise UserError(
+            f"{source} is damaged ({source.stat().st_size} bytes, sha256 {actual[:16]}..., "
+            f"expected {expected[:16]}...); reinstall mileage, or in a git clone restore the "
+            "file (a Git LFS pointer is not the file)"
+        )
+    tokenizer = build_char_tokenizer(builtin_alphabet())
+    config = _builtin_config(tokenizer)
+    # what save_pretrained adds: vLLM and SGLang pick the model class by `architectures`
+    config.architectures = [LlamaForCausalLM.__name__]
+    config.dtype = torch.float32
+    config.save_pretrained(staging)
+    GenerationConfig.from_model_config(config).save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    sidecar = SHIPPED_DIR / f"{task}.json"
+    info = json.loads(sidecar.read_text()) if sidecar.is_file() else {"task": task}
+    (staging / "mileage_builtin.json").write_text(json.dumps({**info, "source": "shipped"}))
+
+
+def _build_here(task: str, staging: Path, log) -> None:
+    model, tokenizer, info = build_warmed_up_model(task, log=log)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    (staging / "mileage_builtin.json").write_text(
-        json.dumps({"task": task, **WARMUP_RECIPE, "steps": steps, "accuracy": accuracy})
-    )
+    (staging / "mileage_builtin.json").write_text(json.dumps({**info, "source": "built here"}))
+
+
+def ensure_builtin_model(task: str, log=print) -> Path:
+    """Return the HF directory of the built-in model for `task`, unpacking (shipped tasks) or
+    building it (the others) into the cache the first time."""
+    target = builtin_model_dir(task)
+    weights = target / "model.safetensors"
+    expected = SHIPPED_WEIGHTS.get(task)
+    if expected is None and weights.exists():
+        return target
+    if expected is not None and weights.is_file():
+        # ~20 ms for 13 MB: a cache damaged on disk is caught here rather than trained from
+        if file_sha256(weights) == expected:
+            return target
+        log(f"{weights} is not the shipped built-in {task} model; unpacking it again")
+    started = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        os.rename(staging, target)
-    except OSError:  # another process finished first; its weights are identical
+        if expected is None:
+            log(
+                f"building the built-in {task} model (one-time, ~1 min) into {target}; "
+                "it is reproducible on this CPU, not across CPU instruction sets"
+            )
+            _build_here(task, staging, log)
+        else:
+            _unpack_shipped(task, expected, staging)
+        _publish(staging, target)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log(f"built-in model ready in {time.perf_counter() - started:.0f}s")
+    if expected is None:
+        log(f"built-in model ready in {time.perf_counter() - started:.0f}s")
     return target
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Rename the finished directory into place; a damaged one there is moved aside first."""
+    if target.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+        with contextlib.suppress(OSError):  # another process replaced it already
+            os.rename(target, aside / "dir")
+        shutil.rmtree(aside, ignore_errors=True)
+    with contextlib.suppress(OSError):  # another process finished first; same weights
+        os.rename(staging, target)
