@@ -47,6 +47,7 @@ SYNC_FAULT_CHAIN = (
 )
 PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
+SEEDS = "tests/test_sampling_seeds.py"
 
 
 @dataclass(frozen=True)
@@ -451,6 +452,62 @@ MUTANTS = [
         "    error = env.broadcast_object(error)\n",
         "",
         (f"{DIST}::test_second_torchrun_job_on_a_save_in_use_exits_2_on_every_rank",),
+    ),
+    Mutant(
+        "seed-rollout-id-dropped-in-process",
+        "the in-process engine samples every rollout from the same generator",
+        "mileage/rollout/engines/base.py",
+        'generator_for(self.seed, "rollout", self.rollout_id)',
+        'generator_for(self.seed, "rollout", 0)',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-rollout-id-dropped-in-row-seeds",
+        "remote engines send the same row seeds in every rollout",
+        "mileage/rollout/engines/base.py",
+        'f"rollout/{self.rollout_id}/sample"',
+        '"rollout/sample"',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-row-dropped-in-row-seeds",
+        "remote engines send every row of a rollout the same seed",
+        "mileage/rollout/engines/base.py",
+        '/sample", row)',
+        '/sample", 0)',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-sglang-index-in-group",
+        "SGLang rows are seeded by their index in the group (miles' and slime's scheme)",
+        "mileage/rollout/engines/sglang.py",
+        'one["sampling_seed"] = seed.row_seed(row)',
+        'one["sampling_seed"] = seed.row_seed(row - rows.start)',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-vllm-index-in-group",
+        "vLLM requests are seeded by their index in the group",
+        "mileage/rollout/engines/vllm.py",
+        'payload["seed"] = seed.row_seed(row)',
+        'payload["seed"] = seed.row_seed(row % group_size)',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-rank-local-group-index",
+        "under torchrun each rank seeds its groups by their local index (ranks repeat a stream)",
+        "mileage/distributed/rollout.py",
+        "torch.Generator().manual_seed(seeds[group])",
+        "torch.Generator().manual_seed(seeds[group - env.share(groups).start])",
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-same-every-rollout",
+        "a rollout's samples are seeded as rollout 0 (the same noise every rollout and epoch)",
+        "mileage/rollout/rollout.py",
+        "else SamplingSeed(seed, rollout_id)",
+        "else SamplingSeed(seed, 0)",
+        (f"{SEEDS}::test_a_run_samples_the_same_prompts_differently_in_each_epoch",),
     ),
 ]
 
