@@ -48,6 +48,8 @@ SYNC_FAULT_CHAIN = (
 PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
 SEEDS = "tests/test_sampling_seeds.py"
+SIZES = "tests/test_sizes.py"
+LAST_BYTE = "tests/test_ckpt_last_byte.py"
 
 
 @dataclass(frozen=True)
@@ -508,6 +510,54 @@ MUTANTS = [
         "else SamplingSeed(seed, rollout_id)",
         "else SamplingSeed(seed, 0)",
         (f"{SEEDS}::test_a_run_samples_the_same_prompts_differently_in_each_epoch",),
+    ),
+    Mutant(
+        "checksum-first-chunk-only",
+        "a file's checksum covers only its first 4 MiB read",
+        "mileage/checkpoint/files.py",
+        "        while chunk := handle.read(1 << 22):\n            digest.update(chunk)\n",
+        "        digest.update(handle.read(1 << 22))\n",
+        (LAST_BYTE,),
+    ),
+    Mutant(
+        "sizes-batch-over-data-allowed",
+        "a rollout batch larger than the prompt set is not refused",
+        "mileage/rollout/sizes.py",
+        "    if batch > len(train_texts):\n",
+        "    if batch > 10 * len(train_texts) + 1000:\n",
+        (f"{SIZES}::test_batch_larger_than_the_data_is_refused",),
+    ),
+    Mutant(
+        "sizes-prompt-length-ignored",
+        "only the response length is checked against the context, not prompt plus response",
+        "mileage/rollout/sizes.py",
+        "    if prompt_len + max_new_tokens > context:\n",
+        "    if max_new_tokens > context:\n",
+        (SIZES,),
+    ),
+    Mutant(
+        "sizes-template-overhead-ignored",
+        "prompts are pre-selected by byte count without the tokens the tokenizer adds",
+        "mileage/rollout/sizes.py",
+        "if n + overhead > limit",
+        "if n > limit",
+        (f"{SIZES}::test_prompt_over_encodes_only_prompts_that_may_be_too_long",),
+    ),
+    Mutant(
+        "sizes-kv-cache-unchecked",
+        "a generation batch's KV cache is not checked against the device's memory",
+        "mileage/rollout/sizes.py",
+        "    if need <= have:\n        return None\n",
+        "    return None\n",
+        (SIZES,),
+    ),
+    Mutant(
+        "serve-sizes-unchecked",
+        "mileage serve generates whatever max_new_tokens a request asks for",
+        "mileage/serve.py",
+        "        self._check_sizes(rows, params.max_new_tokens)\n",
+        "",
+        (SIZES,),
     ),
 ]
 

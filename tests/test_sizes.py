@@ -198,3 +198,5 @@ def test_prompt_over_encodes_only_prompts_that_may_be_too_long():
     assert prompt_over(texts, encode, 100) == (3, 102)
     assert "a" * 5 not in encoded and "c" * 30 not in encoded
     assert prompt_over(texts, encode, 102) is None
+    # 100 bytes, 101 tokens (the BOS the tokenizer adds): over a limit of 100
+    assert prompt_over(["x" * 100], encode, 100) == (0, 101)
