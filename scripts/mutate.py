@@ -549,7 +549,10 @@ MUTANTS = [
         "mileage/rollout/sizes.py",
         "    if need <= have:\n        return None\n",
         "    return None\n",
-        (SIZES,),
+        (
+            f"{SIZES}::test_kv_cache_that_cannot_fit_is_refused",
+            f"{SIZES}::test_serve_refuses_a_kv_cache_that_cannot_fit",
+        ),
     ),
     Mutant(
         "serve-sizes-unchecked",
@@ -557,7 +560,11 @@ MUTANTS = [
         "mileage/serve.py",
         "        self._check_sizes(rows, params.max_new_tokens)\n",
         "",
-        (SIZES,),
+        (
+            f"{SIZES}::test_serve_answers_400_with_a_json_error_and_keeps_serving",
+            f"{SIZES}::test_serve_refuses_max_new_tokens_past_the_context",
+            f"{SIZES}::test_serve_refuses_a_kv_cache_that_cannot_fit",
+        ),
     ),
 ]
 

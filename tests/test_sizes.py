@@ -110,12 +110,14 @@ def test_samples_that_cannot_fit_in_memory_are_refused(capsys, tmp_path, mileage
 def test_kv_cache_that_cannot_fit_is_refused(capsys, long_context_hf, tmp_path):
     config = json.loads((long_context_hf / "config.json").read_text())
     rows = 16  # fast_train_args: 4 prompts x 4 samples, generated in one batch
-    length = 2 * RAM // kv_cache_bytes(config, rows, 1) + 1
-    assert rows * length * BYTES_PER_SAMPLE_TOKEN < RAM  # the samples alone would fit
+    # long enough that the samples would not fit either: were the KV check missing, the run
+    # would still stop before allocating anything (a test must never exhaust the machine)
+    length = 2 * RAM // (rows * BYTES_PER_SAMPLE_TOKEN) + 1
+    assert kv_cache_bytes(config, rows, length) > RAM
     args = [*fast_train_args(long_context_hf), "--rollout-max-response-len", length - 1]
     line = refused(capsys, args, tmp_path / "s")
     assert f"generating {rows} sequences of up to {length} tokens at once needs a" in line
-    assert "KV cache, more than the" in line
+    assert "KV cache, more than the" in line and "lower --rollout-max-response-len" in line
 
 
 # --- mileage serve ---------------------------------------------------------------------------
@@ -139,20 +141,15 @@ def post(url: str, body: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
-@pytest.mark.parametrize(
-    ("input_ids", "max_new", "message"),
-    [
-        ([1, 5, 6], 100_000_000, "max_new_tokens 100000000 does not fit the model's context of 64"),
-        ([1] + [5] * 59, 8, "a prompt of 60 tokens plus max_new_tokens 8 is 68 tokens"),
-    ],
-    ids=["max_new_tokens", "prompt-plus-max_new_tokens"],
-)
-def test_serve_answers_400_with_a_json_error_and_keeps_serving(server, input_ids, max_new, message):
+def test_serve_answers_400_with_a_json_error_and_keeps_serving(server):
+    # 60 prompt tokens + 8 fit in memory: were the check missing, this would just generate
     status, body = post(
         server.url + "/generate",
-        {"input_ids": [input_ids], "sampling_params": {"max_new_tokens": max_new}},
+        {"input_ids": [[1] + [5] * 59], "sampling_params": {"max_new_tokens": 8}},
     )
-    assert status == 400 and message in body["error"], body
+    assert status == 400, body
+    assert "a prompt of 60 tokens plus max_new_tokens 8 is 68 tokens, more than the model's " \
+        "context of 64 tokens" in body["error"]  # fmt: skip
     status, body = post(
         server.url + "/generate",
         {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 3, "sampling_seed": 1}},
@@ -160,19 +157,37 @@ def test_serve_answers_400_with_a_json_error_and_keeps_serving(server, input_ids
     assert status == 200 and len(body["output_ids"]) <= 3
 
 
-def test_serve_refuses_a_kv_cache_that_cannot_fit(long_context_hf):
-    engine = EngineServer(str(long_context_hf))
-    config = engine.model_config
+def no_generation(*args, **kwargs):
+    pytest.fail("the engine was asked to generate a request that cannot fit")
+
+
+@pytest.fixture(scope="module")
+def checked_only(tiny_hf, long_context_hf):
+    """In-process servers whose engine must not be reached: a missing check fails the test
+    instead of allocating a cache larger than the machine."""
+    servers = {"tiny": EngineServer(str(tiny_hf)), "long": EngineServer(str(long_context_hf))}
+    for server in servers.values():
+        server.engine.generate = no_generation
+    return servers
+
+
+def test_serve_refuses_max_new_tokens_past_the_context(checked_only):
+    body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 100_000_000}}
+    with pytest.raises(RequestError, match="max_new_tokens 100000000 does not fit the model's "
+                       "context of 64 tokens"):  # fmt: skip
+        checked_only["tiny"].generate(body)
+
+
+def test_serve_refuses_a_kv_cache_that_cannot_fit(checked_only):
+    server = checked_only["long"]
     rows = 3
-    max_new = 2 * RAM // kv_cache_bytes(config, rows, 1)
+    max_new = 2 * RAM // kv_cache_bytes(server.model_config, rows, 1)
+    body = {"input_ids": [[1, 5]] * rows, "sampling_params": {"max_new_tokens": max_new}}
     with pytest.raises(RequestError, match=f"generating {rows} sequences of up to"):
-        engine.generate(
-            {"input_ids": [[1, 5]] * rows, "sampling_params": {"max_new_tokens": max_new}}
-        )
+        server.generate(body)
     # the batch a request is generated in is at most the engine's: more rows need no more cache
-    many = GENERATION_BATCH * 4
-    limit = RAM // kv_cache_bytes(config, GENERATION_BATCH, 1)
-    assert engine._check_sizes([[1]] * many, limit // 2) is None
+    limit = RAM // kv_cache_bytes(server.model_config, GENERATION_BATCH, 1)
+    server._check_sizes([[1]] * (GENERATION_BATCH * 4), limit // 2)
 
 
 # --- the helpers -----------------------------------------------------------------------------

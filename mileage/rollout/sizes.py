@@ -150,6 +150,12 @@ def check_rollout_sizes(
                     length_problem(config, count, max_new_tokens, flag, f"{name} prompt {index}")
                 )
     samples, tokens = batch * n_samples, max_new_tokens + 1
+    if engine_device is not None:
+        # the first allocation of a rollout, so the first to check
+        rows = min(samples, GENERATION_BATCH)
+        problem = kv_cache_problem(config, rows, tokens, engine_device)
+        if problem:
+            raise UserError(f"{problem}; lower {flag} or --n-samples-per-prompt")
     need, have = samples * tokens * BYTES_PER_SAMPLE_TOKEN, memory_bytes(torch.device("cpu"))
     if need > have:
         raise UserError(
@@ -157,8 +163,3 @@ def check_rollout_sizes(
             f"samples of up to {tokens} tokens need about {gib(need)} of memory per rollout, "
             f"more than this machine's {gib(have)}"
         )
-    if engine_device is not None:
-        rows = min(samples, GENERATION_BATCH)
-        problem = kv_cache_problem(config, rows, tokens, engine_device)
-        if problem:
-            raise UserError(f"{problem}; lower {flag} or --n-samples-per-prompt")
