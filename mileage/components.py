@@ -73,6 +73,7 @@ from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.factory import build_engine
 from mileage.rollout.rewards import RewardFn, build_reward_fn
 from mileage.rollout.rollout import PromptEncoder
+from mileage.rollout.sizes import check_rollout_sizes
 from mileage.rollout.tasks import builtin_alphabet
 from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
@@ -150,6 +151,18 @@ def preflight(cfg: RunConfig) -> Preflight:
         tokenizer = build_char_tokenizer(builtin_alphabet())
     if cfg.data.apply_chat_template:
         require_chat_template(tokenizer, hf_checkpoint_path(cfg))
+    rc = cfg.rollout
+    local = cfg.engine.rollout_engine == "local" and not rc.load_debug_rollout_data
+    check_rollout_sizes(
+        model_config,
+        PromptEncoder(tokenizer, cfg.data.apply_chat_template),
+        [p.text for p in prompts],
+        [p.text for p in eval_prompts or []] if cfg.loop.eval_interval else [],
+        rc.rollout_batch_size,
+        rc.n_samples_per_prompt,
+        rc.rollout_max_response_len,
+        env.device() if local else None,
+    )
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     ppo = cfg.algo.advantage_estimator == "ppo"
     flags = replace(

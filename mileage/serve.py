@@ -42,6 +42,7 @@ from mileage.checkpoint.tensors import model_tensors
 from mileage.errors import UserError
 from mileage.models.hf import load_causal_lm, load_tokenizer
 from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
+from mileage.rollout.sizes import kv_cache_problem, length_problem
 from mileage.seeding import configure_determinism
 
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "sampling_seed", "top_k", "n"}
@@ -61,6 +62,7 @@ class EngineServer:
         self.engine = LocalEngine(load_causal_lm(hf_checkpoint), pad, eos)
         self.weight_version = "default"
         self.vocab_size = self.engine.model.config.vocab_size
+        self.model_config = self.engine.model.config.to_dict()
         self.generate_count = 0
         self.groups: dict = {}  # weight-update process groups by name
         kind, _, count = os.environ.get("MILEAGE_SERVE_FAULT", "").partition(":")
@@ -157,6 +159,7 @@ class EngineServer:
         ):
             raise RequestError("input_ids must be non-empty lists of token ids in the vocabulary")
         params, generators = self._sampling(body.get("sampling_params") or {}, len(rows))
+        self._check_sizes(rows, params.max_new_tokens)
         with self.lock:
             self.generate_count += 1
             self._maybe_fail()
@@ -166,6 +169,24 @@ class EngineServer:
         if self.fault and self.fault[0] == "garbage" and self.generate_count >= self.fault[1]:
             outputs = [{"meta_info": {"output_token_logprobs": "garbage"}} for _ in outputs]
         return outputs[0] if single else outputs
+
+    def _check_sizes(self, rows: list[list[int]], max_new_tokens: int) -> None:
+        """Refuse before generating what cannot fit the context or the device's memory (SGLang
+        answers such requests with 400 too)."""
+        longest = max(len(r) for r in rows)
+        problem = length_problem(self.model_config, longest, max_new_tokens, "max_new_tokens")
+        if problem is None:
+            weights = next(self.engine.model.parameters())
+            batch = min(len(rows), self.engine.max_batch_size)
+            problem = kv_cache_problem(
+                self.model_config,
+                batch,
+                longest + max_new_tokens,
+                weights.device,
+                weights.element_size(),
+            )
+        if problem:
+            raise RequestError(problem)
 
     def _maybe_fail(self) -> None:
         if not self.fault or self.generate_count != self.fault[1]:

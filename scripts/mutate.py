@@ -49,6 +49,9 @@ PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
 BUILTIN = "tests/test_builtin_model.py"
 BENCH_PATHS = "tests/test_bench_paths.py"
+SEEDS = "tests/test_sampling_seeds.py"
+SIZES = "tests/test_sizes.py"
+LAST_BYTE = "tests/test_ckpt_last_byte.py"
 
 
 @dataclass(frozen=True)
@@ -477,6 +480,117 @@ MUTANTS = [
         '    if path.suffix.lower() != ".json":\n',
         "    if True:\n",
         (BENCH_PATHS,),
+    ),
+    Mutant(
+        "seed-rollout-id-dropped-in-process",
+        "the in-process engine samples every rollout from the same generator",
+        "mileage/rollout/engines/base.py",
+        'generator_for(self.seed, "rollout", self.rollout_id)',
+        'generator_for(self.seed, "rollout", 0)',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-rollout-id-dropped-in-row-seeds",
+        "remote engines send the same row seeds in every rollout",
+        "mileage/rollout/engines/base.py",
+        'f"rollout/{self.rollout_id}/sample"',
+        '"rollout/sample"',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-row-dropped-in-row-seeds",
+        "remote engines send every row of a rollout the same seed",
+        "mileage/rollout/engines/base.py",
+        '/sample", row)',
+        '/sample", 0)',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-sglang-index-in-group",
+        "SGLang rows are seeded by their index in the group (miles' and slime's scheme)",
+        "mileage/rollout/engines/sglang.py",
+        'one["sampling_seed"] = seed.row_seed(row)',
+        'one["sampling_seed"] = seed.row_seed(row - rows.start)',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-vllm-index-in-group",
+        "vLLM requests are seeded by their index in the group",
+        "mileage/rollout/engines/vllm.py",
+        'payload["seed"] = seed.row_seed(row)',
+        'payload["seed"] = seed.row_seed(row % group_size)',
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-rank-local-group-index",
+        "under torchrun each rank seeds its groups by their local index (ranks repeat a stream)",
+        "mileage/distributed/rollout.py",
+        "torch.Generator().manual_seed(seeds[group])",
+        "torch.Generator().manual_seed(seeds[group - env.share(groups).start])",
+        (SEEDS,),
+    ),
+    Mutant(
+        "seed-same-every-rollout",
+        "a rollout's samples are seeded as rollout 0 (the same noise every rollout and epoch)",
+        "mileage/rollout/rollout.py",
+        "else SamplingSeed(seed, rollout_id)",
+        "else SamplingSeed(seed, 0)",
+        (f"{SEEDS}::test_a_run_samples_the_same_prompts_differently_in_each_epoch",),
+    ),
+    Mutant(
+        "checksum-first-chunk-only",
+        "a file's checksum covers only its first 4 MiB read",
+        "mileage/checkpoint/files.py",
+        "        while chunk := handle.read(1 << 22):\n            digest.update(chunk)\n",
+        "        digest.update(handle.read(1 << 22))\n",
+        (LAST_BYTE,),
+    ),
+    Mutant(
+        "sizes-batch-over-data-allowed",
+        "a rollout batch larger than the prompt set is not refused",
+        "mileage/rollout/sizes.py",
+        "    if batch > len(train_texts):\n",
+        "    if batch > 10 * len(train_texts) + 1000:\n",
+        (f"{SIZES}::test_batch_larger_than_the_data_is_refused",),
+    ),
+    Mutant(
+        "sizes-prompt-length-ignored",
+        "only the response length is checked against the context, not prompt plus response",
+        "mileage/rollout/sizes.py",
+        "    if prompt_len + max_new_tokens > context:\n",
+        "    if max_new_tokens > context:\n",
+        (SIZES,),
+    ),
+    Mutant(
+        "sizes-template-overhead-ignored",
+        "prompts are pre-selected by byte count without the tokens the tokenizer adds",
+        "mileage/rollout/sizes.py",
+        "if n + overhead > limit",
+        "if n > limit",
+        (f"{SIZES}::test_prompt_over_encodes_only_prompts_that_may_be_too_long",),
+    ),
+    Mutant(
+        "sizes-kv-cache-unchecked",
+        "a generation batch's KV cache is not checked against the device's memory",
+        "mileage/rollout/sizes.py",
+        "    if need <= have:\n        return None\n",
+        "    return None\n",
+        (
+            f"{SIZES}::test_kv_cache_that_cannot_fit_is_refused",
+            f"{SIZES}::test_serve_refuses_a_kv_cache_that_cannot_fit",
+        ),
+    ),
+    Mutant(
+        "serve-sizes-unchecked",
+        "mileage serve generates whatever max_new_tokens a request asks for",
+        "mileage/serve.py",
+        "        self._check_sizes(rows, params.max_new_tokens)\n",
+        "",
+        (
+            f"{SIZES}::test_serve_answers_400_with_a_json_error_and_keeps_serving",
+            f"{SIZES}::test_serve_refuses_max_new_tokens_past_the_context",
+            f"{SIZES}::test_serve_refuses_a_kv_cache_that_cannot_fit",
+        ),
     ),
 ]
 

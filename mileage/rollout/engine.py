@@ -29,6 +29,8 @@ FAST_DECODE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 TOP_P_CANDIDATES = 1024
 # vocabularies larger than this are sampled block-wise (see _draw_categorical)
 CDF_BLOCK = 1024
+# rows generated at once (one KV cache); longer lists of prompts are generated in such batches
+GENERATION_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,13 @@ class LocalEngine:
     # its log-probs come from the trainer's own module: recomputing them would repeat the work
     in_process = True
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, max_batch_size: int = 256):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_id: int,
+        eos_id: int,
+        max_batch_size: int = GENERATION_BATCH,
+    ):
         self.model = model
         self.pad_id = pad_id
         self.eos_id = eos_id
