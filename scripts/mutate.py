@@ -261,7 +261,7 @@ MUTANTS = [
     Mutant(
         "critic-behind-actor-accepted",
         "a resume pairs the actor with a critic saved at another rollout",
-        "mileage/checkpoint/plan.py",
+        "mileage/checkpoint/critic_plan.py",
         '    if rollout is not None and meta.get("rollout_id") != rollout:',
         "    if False:",
         (PPO_PLAN,),
@@ -269,7 +269,7 @@ MUTANTS = [
     Mutant(
         "critic-of-another-model-accepted",
         "a critic saved for another model config is loaded",
-        "mileage/checkpoint/plan.py",
+        "mileage/checkpoint/critic_plan.py",
         '        diffs = config_differences(meta["model_config"], model_config)',
         "        diffs = []",
         (PPO_PLAN,),
