@@ -37,7 +37,6 @@ from mileage.checkpoint.tensors import (
     load_model_weights,
     load_optimizer_tensors,
     load_rng_tensors,
-    model_tensors,
     optimizer_tensors,
 )
 from mileage.checkpoint.writer import CheckpointWriter
@@ -55,6 +54,7 @@ from mileage.models.hf import (
     read_config_json,
     require_chat_template,
 )
+from mileage.models.tensors import model_tensors
 from mileage.models.tiny import (
     build_char_tokenizer,
     builtin_model_dir,

@@ -16,9 +16,9 @@ from mileage.distributed import env
 from mileage.distributed.coordination import preemption_guard
 from mileage.faults import fault_point
 from mileage.progress import RunProgress
-from mileage.rollout.engines.mismatch import apply_mismatch
 from mileage.rollout.rollout import evaluate, generate_samples, load_samples, save_samples
 from mileage.training.batch import pack_samples
+from mileage.training.mismatch import apply_mismatch
 
 
 def can_eval(run: Run) -> bool:

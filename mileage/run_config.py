@@ -13,12 +13,12 @@ from mileage.distributed.parallelize import ParallelConfig
 from mileage.errors import UserError
 from mileage.rollout.data import DataConfig
 from mileage.rollout.engines.config import EngineConfig
-from mileage.rollout.engines.mismatch import MismatchConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
 from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
 from mileage.training.critic import CriticConfig
+from mileage.training.mismatch import MismatchConfig
 from mileage.training.optimizer import OptimConfig
 
 DEFAULT_NUM_ROLLOUT = 150

@@ -38,9 +38,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from mileage.checkpoint.tensors import model_tensors
 from mileage.errors import UserError
 from mileage.models.hf import load_causal_lm, load_tokenizer
+from mileage.models.tensors import model_tensors
 from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
 from mileage.rollout.sizes import kv_cache_problem, length_problem
 from mileage.seeding import configure_determinism

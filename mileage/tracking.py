@@ -7,7 +7,8 @@ finds the next step W&B does not hold yet, then skips records below it and repla
 metrics.jsonl that W&B is missing (killed before they reached it). Points a killed process
 logged past its checkpoint stay in W&B; the resumed run reproduces the same values, so they are
 not logged again. Online, W&B itself says the next step of a resumed run (`run.step`); offline,
-it starts every process at 0, so the offline files this run id left in --wandb-dir are read back.
+it starts every process at 0, so the offline files this run id left in --wandb-dir are read back
+with W&B's own reader (`wandb leet inspect --json`).
 
 The W&B run id lives in the checkpoint's trainer state, so a resumed run continues the same run.
 """
@@ -15,8 +16,11 @@ The W&B run id lives in the checkpoint's trainer state, so a resumed run continu
 from __future__ import annotations
 
 import json
+import os
+import re
 import secrets
-import struct
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +28,9 @@ from mileage.config import option
 from mileage.errors import UserError
 
 WANDB_MODES = ("online", "offline", "disabled")
-WANDB_INSTALL_HINT = "pip install 'wandb==0.31.0'"
+# the version mileage is tested with; offline resume reads W&B's files with its `leet inspect`
+WANDB_VERSION = "0.31.0"
+WANDB_INSTALL_HINT = f"pip install 'wandb=={WANDB_VERSION}'"
 
 
 @dataclass
@@ -47,8 +53,29 @@ def check_tracking(cfg: TrackingConfig) -> None:
     """Before anything is written: the tracker packages asked for are installed."""
     import importlib.util
 
-    if cfg.use_wandb and importlib.util.find_spec("wandb") is None:
+    if not cfg.use_wandb:
+        return
+    if importlib.util.find_spec("wandb") is None:
         raise UserError(f"--use-wandb needs the wandb package: {WANDB_INSTALL_HINT}")
+    installed = installed_wandb_version()
+    if cfg.wandb_mode == "offline" and _release(installed) < _release(WANDB_VERSION):
+        raise UserError(
+            f"--wandb-mode offline reads the run's earlier offline files back on resume with "
+            f"`wandb leet inspect` of wandb {WANDB_VERSION}; wandb {installed} is installed: "
+            f"{WANDB_INSTALL_HINT}"
+        )
+
+
+def installed_wandb_version() -> str:
+    from importlib.metadata import version
+
+    return version("wandb")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as 0.31.0 or 0.32.0rc1."""
+    parts = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
+    return tuple(int(p or 0) for p in parts.groups()) if parts else (0, 0, 0)
 
 
 def new_wandb_run_id() -> str:
@@ -137,59 +164,57 @@ def build_trackers(
 
 
 # --- reading W&B's offline files back ------------------------------------------------------
-# A .wandb file is a 7-byte header (":W&B", magic, version) followed by a LevelDB-style log:
-# 32 KiB blocks of records, each with a 7-byte header (crc32, length, type), where a record
-# that does not fit in a block is split into FIRST/MIDDLE/LAST pieces. The payloads are
-# protobuf `Record` messages of wandb's internal protocol.
+# With W&B's own reader: `wandb leet inspect --json FILE` (checked with WANDB_VERSION) prints
+# each record of a .wandb transaction log as one JSON line. It checks
+# each record's checksum and stops quietly at a torn tail, which is what a killed writer leaves.
 
-_BLOCK = 32768
-_HEADER = 7
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def read_wandb_payloads(path: Path) -> list[bytes]:
-    """The serialized records of one .wandb file, in order; a torn tail (killed writer) is dropped."""
-    data = path.read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{path} is not a W&B transaction log")
-    payloads, pending, pos = [], b"", _HEADER
-    while pos + _HEADER <= len(data):
-        left_in_block = _BLOCK - pos % _BLOCK
-        if left_in_block < _HEADER:
-            pos += left_in_block  # zero padding at the end of a block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
-        chunk = data[pos + _HEADER : pos + _HEADER + length]
-        if kind == 0 or len(chunk) < length:
-            break  # unwritten or torn
-        pos += _HEADER + length
-        if kind == _FULL:
-            payloads.append(chunk)
-        elif kind == _FIRST:
-            pending = chunk
-        elif kind == _MIDDLE:
-            pending += chunk
-        elif kind == _LAST:
-            payloads.append(pending + chunk)
-    return payloads
+WANDB_READ_TIMEOUT = 300.0  # seconds for one file; W&B's reader starts its core binary
 
 
 def read_wandb_history(path: Path) -> list[tuple[int, dict]]:
     """(step, {key: value}) for every history row in one .wandb file, in the order logged."""
-    from wandb.proto import wandb_internal_pb2
-
+    if not path.is_file():
+        raise UserError(f"cannot read the W&B offline file {path}: it does not exist")
+    # offline: W&B's CLI would otherwise report its own errors to the W&B server
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}
+    command = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)]
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=WANDB_READ_TIMEOUT
+        )
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"W&B's reader (wandb leet inspect) did not finish reading {path} within "
+            f"{WANDB_READ_TIMEOUT:.0f}s"
+        ) from None
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise UserError(
+            f"W&B's reader (wandb leet inspect) could not read {path}: {why}; move that "
+            f"directory away to resume without its points (--wandb-mode offline needs "
+            f"{WANDB_INSTALL_HINT})"
+        )
     rows = []
-    for payload in read_wandb_payloads(path):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
-        if record.WhichOneof("record_type") != "history":
+    for line in done.stdout.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise UserError(
+                f"W&B's reader (wandb leet inspect) printed a line that is not JSON for {path}: "
+                f"{line[:80]!r} (--wandb-mode offline needs {WANDB_INSTALL_HINT})"
+            ) from None
+        if record.get("type") != "history":
             continue
-        items = {
-            item.key or "/".join(item.nested_key): json.loads(item.value_json)
-            for item in record.history.item
-        }
-        rows.append((record.history.step.num, items))
+        history = record["history"]
+        # proto3 JSON may leave out a field at its zero value: step 0
+        step = int(history.get("step", {}).get("num", 0))
+        rows.append((step, {k: _number(v) for k, v in history.get("item", {}).items()}))
     return rows
+
+
+def _number(value: object) -> object:
+    """The reader prints non-finite floats as proto3 JSON strings; mileage logs only numbers."""
+    return float(value) if value in ("NaN", "Infinity", "-Infinity") else value
 
 
 def offline_run_files(wandb_root: Path, run_id: str) -> list[Path]:

@@ -52,6 +52,7 @@ BENCH_PATHS = "tests/test_bench_paths.py"
 SEEDS = "tests/test_sampling_seeds.py"
 SIZES = "tests/test_sizes.py"
 LAST_BYTE = "tests/test_ckpt_last_byte.py"
+TRACKING = "tests/test_tracking.py"
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,7 @@ MUTANTS = [
     Mutant(
         "critic-behind-actor-accepted",
         "a resume pairs the actor with a critic saved at another rollout",
-        "mileage/checkpoint/plan.py",
+        "mileage/checkpoint/critic_plan.py",
         '    if rollout is not None and meta.get("rollout_id") != rollout:',
         "    if False:",
         (PPO_PLAN,),
@@ -274,7 +275,7 @@ MUTANTS = [
     Mutant(
         "critic-of-another-model-accepted",
         "a critic saved for another model config is loaded",
-        "mileage/checkpoint/plan.py",
+        "mileage/checkpoint/critic_plan.py",
         '        diffs = config_differences(meta["model_config"], model_config)',
         "        diffs = []",
         (PPO_PLAN,),
@@ -382,6 +383,32 @@ MUTANTS = [
             f"{ENGINES}::test_a_faulty_server_is_retried_on_the_other",
             f"{ENGINES}::test_when_every_try_fails_the_run_stops_and_a_rerun_continues",
         ),
+    ),
+    Mutant(
+        "missed-sync-server-still-used",
+        "a server that missed a weight sync still generates (from the old weights)",
+        "mileage/rollout/engines/http.py",
+        "            self.excluded = set(failed)\n",
+        "            self.excluded = set()\n",
+        (
+            f"{ENGINES}::test_a_weight_sync_excludes_the_servers_that_missed_it_and_stops_when_all_did",
+        ),
+    ),
+    Mutant(
+        "rollout-logprobs-flag-ignored",
+        "--use-rollout-logprobs still trains against the trainer's recomputed log-probs",
+        "mileage/training/mismatch.py",
+        "    if not cfg.use_rollout_logprobs:\n        batch.old_logprobs = trainer\n",
+        "    if True:\n        batch.old_logprobs = trainer\n",
+        (f"{ENGINES}::test_tis_and_rollout_logprobs",),
+    ),
+    Mutant(
+        "wandb-offline-points-relogged",
+        "an offline resume ignores the steps W&B's earlier files hold and logs them again",
+        "mileage/tracking.py",
+        "    return max(steps) + 1 if steps else 0\n",
+        "    return 0\n",
+        (f"{TRACKING}::test_points_logged_past_the_checkpoint_are_kept_not_repeated",),
     ),
     # ---- torchrun + FSDP2 (mileage/distributed/); each names the cheapest test that catches it
     Mutant(

@@ -140,8 +140,9 @@ def test_tied_embeddings_are_stored_once_and_load_tied(tiny_hf, tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from mileage.checkpoint.store import CheckpointState, commit_checkpoint
-    from mileage.checkpoint.tensors import load_model_weights, model_tensors
+    from mileage.checkpoint.tensors import load_model_weights
     from mileage.models.hf import empty_causal_lm, load_causal_lm
+    from mileage.models.tensors import model_tensors
 
     model = load_causal_lm(tiny_hf)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

@@ -28,7 +28,7 @@ from mileage.metrics import TIMING_KEYS, read_metrics
 from mileage.models.hf import load_causal_lm, load_tokenizer
 from mileage.rollout.data import Prompt
 from mileage.rollout.engine import LocalEngine, SamplingParams
-from mileage.rollout.engines.http import post_json
+from mileage.rollout.engines.http import ServerPool, post_json
 from mileage.rollout.rewards.rules import exact_reward
 from mileage.rollout.rollout import PromptEncoder, generate_samples
 from mileage.testing.compare import compare_checkpoints, compare_runs
@@ -348,3 +348,27 @@ def test_a_reply_cut_off_mid_body_is_a_bad_reply_not_a_traceback():
     finally:
         thread.join(timeout=10)
         listener.close()
+
+
+def test_a_weight_sync_excludes_the_servers_that_missed_it_and_stops_when_all_did():
+    """`ServerPool.sync`, the one home of both remote engines' sync policy."""
+    pool = ServerPool(["http://a", "http://b"], timeout=1.0, attempts=2, what="test rollout")
+    answers = {"/load": {"http://a": None, "http://b": "refused"}, "/label": {}}
+
+    def broadcast(path, payload, timeout):
+        return {url: answers[path].get(url) for url in pool.urls}
+
+    pool.broadcast = broadcast
+    pool.failed = {"http://a", "http://b"}  # both failed a request before this sync
+    pool.sync([("/load", {}), ("/label", {})], 3, 1.0)
+    assert pool.excluded == {"http://b"}  # it would sample from the old weights
+    assert pool.failed == {"http://b"}  # a has just answered: tried first again
+    assert pool._order(0) == ["http://a"]
+
+    answers["/label"] = {"http://a": "timed out"}  # a fails a later step: no server is left
+    with pytest.raises(UserError) as caught:
+        pool.sync([("/load", {}), ("/label", {})], 4, 1.0)
+    assert str(caught.value).startswith(
+        "test rollout: no server loaded the weights of version 4 "
+        "(http://b: /load: refused; http://a: /label: timed out)"
+    )

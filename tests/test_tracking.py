@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 from conftest import fast_train_args
 
+from mileage.errors import UserError
 from mileage.metrics import TIMING_KEYS
-from mileage.tracking import offline_run_files, read_wandb_history
+from mileage.tracking import (
+    TrackingConfig,
+    check_tracking,
+    offline_run_files,
+    read_wandb_history,
+)
 
 
 @pytest.fixture
@@ -67,6 +73,33 @@ def test_killed_and_resumed_offline_wandb_run_has_one_point_per_rollout(
     assert len(files) == 2  # one offline directory per process, both of the same W&B run
     assert sorted(step for step, _ in points) == [0, 1, 2, 3]
     assert sorted(points) == [(r["rollout_id"], r["reward_mean"]) for r in metrics(save)]
+
+    # A writer killed mid-record leaves a torn tail (here the killed process's file held only
+    # its header: W&B had not flushed). W&B's reader keeps the whole records before the tear,
+    # which the resume relies on; a file it cannot read at all is one line, not a crash.
+    complete = files[1].read_bytes()
+    whole = read_wandb_history(files[1])
+    torn = tmp_path / "torn" / files[1].parent.name / files[1].name
+    torn.parent.mkdir(parents=True)
+    # through the last record naming "_step": W&B writes a row's summary, then its history row
+    torn.write_bytes(complete[: complete.rfind(b"_step")])
+    cut = read_wandb_history(torn)
+    assert len(cut) == len(whole) - 1 and cut == whole[:-1]
+    torn.write_bytes(b"not a W&B transaction log" * 100)
+    with pytest.raises(UserError, match="could not read .*: Error: .*move that directory away"):
+        read_wandb_history(torn)
+
+
+def test_offline_mode_needs_the_pinned_wandb(monkeypatch):
+    import mileage.tracking as tracking
+
+    monkeypatch.setattr(tracking, "installed_wandb_version", lambda: "0.30.2")
+    cfg = TrackingConfig(use_wandb=True, wandb_mode="offline")
+    with pytest.raises(UserError, match="wandb 0.30.2 is installed: pip install 'wandb==0.31.0'"):
+        check_tracking(cfg)
+    check_tracking(TrackingConfig(use_wandb=True, wandb_mode="online"))  # reads no files back
+    monkeypatch.setattr(tracking, "installed_wandb_version", lambda: "0.31.1")
+    check_tracking(cfg)
 
 
 def test_points_logged_past_the_checkpoint_are_kept_not_repeated(

@@ -7,55 +7,20 @@ point); `export_hf` writes a native checkpoint's weights as an HF directory (`--
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
-
-import torch
 
 from mileage.checkpoint.layout import RELEASE, scan_dir
 from mileage.checkpoint.meta import checkpoint_meta, model_source
 from mileage.checkpoint.store import CheckpointState, commit_checkpoint, verify_checkpoint
 from mileage.checkpoint.tensors import load_model_weights, model_tensors
 from mileage.errors import UserError
-from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
-
-
-def check_export_target(out: Path) -> None:
-    """An existing `out` is replaced only if it is an empty directory or an HF model directory:
-    a mistyped path must not cost the user a file or a folder of other things."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file; choose a directory path to export to")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise UserError(
-            f"{out} is a non-empty directory that is not a Hugging Face model; "
-            "choose a new or empty directory"
-        )
-
-
-def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
-    """save_pretrained(model + tokenizer) into `out`, atomically (see `check_export_target`)."""
-    out = Path(out)
-    check_export_target(out)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.rename(out, old)
-            os.rename(staging, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+from mileage.models.hf import (
+    empty_causal_lm,
+    load_causal_lm,
+    load_tokenizer,
+    read_config_json,
+    write_hf_dir,
+)
 
 
 def write_release(hf_checkpoint: str | Path, save_dir: str | Path) -> Path:

@@ -33,6 +33,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from mileage.checkpoint.critic_plan import plan_critic
 from mileage.checkpoint.layout import (
     CRITIC_DIR,
     TRACKER,
@@ -41,6 +42,7 @@ from mileage.checkpoint.layout import (
     config_differences,
     scan_dir,
 )
+from mileage.checkpoint.sources import Source, bad_tracker, list_complete, native_source
 from mileage.errors import UserError
 
 FRESH, RESUME, COMPLETE = "fresh", "resume", "complete"
@@ -148,70 +150,7 @@ class ResumePlan:
         return "\n".join(lines)
 
 
-def _list_complete(state: DirState) -> str:
-    ids = state.complete_ids
-    return ", ".join(str(i) for i in ids) if ids else "none"
-
-
-def _usable(info: CheckpointInfo | None, path: str, what: str, state: DirState) -> CheckpointInfo:
-    if info is None:
-        raise UserError(
-            f"{what}: {path} does not exist; complete checkpoints in {state.path}: {_list_complete(state)}"
-        )
-    if not info.complete:
-        raise UserError(
-            f"{what}: {path} is incomplete ({info.problem}); complete checkpoints in "
-            f"{state.path}: {_list_complete(state)}"
-        )
-    return info
-
-
-@dataclass(frozen=True)
-class _Source:
-    path: str
-    fmt: str
-    iteration: int | None
-    info: CheckpointInfo | None  # None for HF directories
-    reason: str
-
-
-def _native_source(state: DirState, step: int | None, flag: str) -> _Source:
-    """A weights-only source inside a native directory: iter_step, or what its tracker names."""
-    if step is not None:
-        path = os.path.join(state.path, f"iter_{step:07d}")
-        info = _usable(state.checkpoints.get(step), path, f"{flag} {step}", state)
-        return _Source(path, "native", step, info, f"{flag} {step} selects {path}")
-    tracker = state.tracker
-    if not tracker.valid:
-        _bad_tracker(state)
-    if tracker.release:
-        path = os.path.join(state.path, "release")
-        info = _usable(state.release, path, "tracker says release", state)
-        return _Source(
-            path, "native", None, info, f"{state.path}: tracker says 'release', weights from {path}"
-        )
-    path = os.path.join(state.path, f"iter_{tracker.iteration:07d}")
-    info = _usable(
-        state.checkpoints.get(tracker.iteration), path, f"tracker {state.path}/{TRACKER}", state
-    )
-    return _Source(
-        path,
-        "native",
-        tracker.iteration,
-        info,
-        f"tracker of {state.path} names iteration {tracker.iteration}",
-    )
-
-
-def _bad_tracker(state: DirState) -> None:
-    raise UserError(
-        f"{os.path.join(state.path, TRACKER)} holds {state.tracker.raw!r}, which is neither a rollout "
-        f"number nor 'release'; complete checkpoints there: {_list_complete(state)}. Fix the file or "
-        f"pass --ckpt-step; nothing was changed"
-    )
-
-
-def _fresh_source(flags: StartFlags, disk: DiskState) -> _Source:
+def _fresh_source(flags: StartFlags, disk: DiskState) -> Source:
     """Where a fresh run's weights come from in the chosen mode (also the reference model's)."""
     if flags.mode == "bridge":
         flag, state = (
@@ -230,7 +169,7 @@ def _fresh_source(flags: StartFlags, disk: DiskState) -> _Source:
             raise UserError(
                 f"{flag} {state.path} is not a Hugging Face model (needs config.json and weights)"
             )
-        return _Source(
+        return Source(
             state.path, "hf", None, None, f"bridge mode: weights from {flag} {state.path}"
         )
     if not flags.ref_load:
@@ -245,8 +184,8 @@ def _fresh_source(flags: StartFlags, disk: DiskState) -> _Source:
             f"--ref-load {state.path} is a Hugging Face model directory; raw mode needs a native "
             f"checkpoint: use --megatron-to-hf-mode bridge, or `mileage convert` it first"
         )
-    source = _native_source(state, flags.ref_ckpt_step, "--ref-ckpt-step")
-    return _Source(
+    source = native_source(state, flags.ref_ckpt_step, "--ref-ckpt-step")
+    return Source(
         source.path, source.fmt, source.iteration, source.info, f"raw mode: {source.reason}"
     )
 
@@ -297,8 +236,8 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
     )
     if has_checkpoint:
         if flags.ckpt_step is None and load.tracker.exists and not load.tracker.valid:
-            _bad_tracker(load)
-        source = _native_source(load, flags.ckpt_step, "--ckpt-step")
+            bad_tracker(load)
+        source = native_source(load, flags.ckpt_step, "--ckpt-step")
         reasons.append(source.reason)
         resumable = source.iteration is not None and not flags.finetune
         if source.iteration is None:
@@ -359,12 +298,17 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
         )
         if not continues_save:
             raise UserError(
-                f"--save {disk.save.path} already holds checkpoints ({_list_complete(disk.save)} complete) "
+                f"--save {disk.save.path} already holds checkpoints ({list_complete(disk.save)} complete) "
                 f"that this start would not continue; pass --load {disk.save.path} to resume them, or "
                 f"choose a new --save"
             )
 
-    critic_from = _plan_critic(flags, disk, source, resumable, reasons)
+    critic_from = None
+    if flags.critic:
+        critic_load = None
+        if flags.critic_load:  # a DiskState built by hand may lack it: then it does not exist
+            critic_load = disk.critic_load or DirState(flags.critic_load, exists=False)
+        critic_from = plan_critic(critic_load, disk.model_config, source, resumable, reasons)
     return ResumePlan(
         action=action,
         mode=flags.mode,
@@ -381,62 +325,3 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
         critic_from=critic_from,
         critic_state=flags.critic and resumable,
     )
-
-
-def _plan_critic(
-    flags: StartFlags, disk: DiskState, source: _Source, resumable: bool, reasons: list[str]
-) -> str | None:
-    """PPO: the checkpoint whose critic/ the run loads (None: a fresh critic). A resume pairs
-    the actor with the critic of the same checkpoint, which was committed with it."""
-    if not flags.critic:
-        return None
-    critic_meta = source.info.critic_meta if source.info is not None else None
-    if resumable:
-        if critic_meta is None:
-            raise UserError(
-                f"{source.path} holds no critic (it was saved without --advantage-estimator ppo), "
-                f"so PPO cannot resume from it; pass --finetune to start a fresh critic from its "
-                f"weights, or another --load"
-            )
-        _check_critic(critic_meta, source.path, disk.model_config, source.iteration)
-        if flags.critic_load:
-            reasons.append(f"--critic-load ignored: a resume takes the critic of {source.path}")
-        return source.path
-    if flags.critic_load:
-        state = disk.critic_load
-        if state is None or not state.exists:
-            raise UserError(f"--critic-load {flags.critic_load} does not exist")
-        if not state.tracker.exists:
-            raise UserError(
-                f"--critic-load {state.path} has no {TRACKER}: give the --save directory of a "
-                f"PPO run"
-            )
-        critic = _native_source(state, None, "--critic-load")
-        if critic.info.critic_meta is None:
-            raise UserError(
-                f"--critic-load: {critic.path} holds no critic/ (give the --save directory of a "
-                f"PPO run)"
-            )
-        _check_critic(critic.info.critic_meta, critic.path, disk.model_config, None)
-        reasons.append(f"critic weights from --critic-load: {critic.reason}")
-        return critic.path
-    if critic_meta is not None:  # --finetune from a PPO checkpoint keeps its critic's weights
-        _check_critic(critic_meta, source.path, disk.model_config, None)
-        return source.path
-    return None
-
-
-def _check_critic(meta: dict, path: str, model_config: dict | None, rollout: int | None) -> None:
-    where = os.path.join(path, CRITIC_DIR)
-    if rollout is not None and meta.get("rollout_id") != rollout:
-        raise UserError(
-            f"{where} was saved at rollout {meta.get('rollout_id')} but the actor at {rollout}: "
-            f"actor and critic are not one commit; refusing to pair them"
-        )
-    if model_config is not None and "model_config" in meta:
-        diffs = config_differences(meta["model_config"], model_config)
-        if diffs:
-            raise UserError(
-                f"{where} is a critic of a different model than --hf-checkpoint "
-                f"({'; '.join(diffs)})"
-            )

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from mileage.checkpoint.files import fsync_path, prefetch_checkpoint
 from mileage.errors import UserError
+from mileage.models.tensors import model_tensors
 from mileage.seeding import overwritten_allocations
 
 MODEL_DIR, OPTIMIZER_DIR, RNG_FILE = "model", "optimizer", "rng.safetensors"
@@ -98,37 +99,6 @@ def load_tensors(
             into = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()}
         dcp.load(into, storage_reader=reader, no_dist=True)
     return into
-
-
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with each shared tensor once (tied embeddings would otherwise be
-    written, hashed and read twice: 0.11 GB of SmolLM2's 0.65 GB)."""
-    seen: set[tuple[int, int]] = set()
-    tensors = {}
-    aliases = tied_aliases(model)
-    for name, value in model.state_dict().items():
-        if name in aliases:
-            continue
-        if hasattr(value, "to_local"):  # a DTensor shard: tied names were dropped above
-            tensors[name] = value
-            continue
-        key = (value.untyped_storage().data_ptr(), value.storage_offset())
-        if key in seen and value.numel():
-            continue
-        seen.add(key)
-        tensors[name] = value
-    return tensors
-
-
-def tied_aliases(model: torch.nn.Module) -> set[str]:
-    """Names under which an already-listed parameter appears again (tied LM head)."""
-    seen: set[int] = set()
-    aliases = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            aliases.add(name)
-        seen.add(id(param))
-    return aliases
 
 
 def load_model_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:

@@ -64,8 +64,9 @@ def _convert(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mileage.checkpoint.hf_export import check_export_target, export_hf
+    from mileage.checkpoint.hf_export import export_hf
     from mileage.checkpoint.meta import recorded_model_dir, selected_checkpoint
+    from mileage.models.hf import check_export_target
 
     check_export_target(Path(args.out))
     checkpoint = selected_checkpoint(args.load, args.ckpt_step, "--ckpt-step")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -104,3 +106,39 @@ def empty_causal_lm(config_dir: str | Path, dtype: torch.dtype = torch.float32) 
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # no_init_weights also skips the tying
     return model.eval()
+
+
+def check_export_target(out: Path) -> None:
+    """An existing `out` is replaced only if it is an empty directory or an HF model directory:
+    a mistyped path must not cost the user a file or a folder of other things."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; choose a directory path to export to")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise UserError(
+            f"{out} is a non-empty directory that is not a Hugging Face model; "
+            "choose a new or empty directory"
+        )
+
+
+def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
+    """save_pretrained(model + tokenizer) into `out`, atomically (see `check_export_target`)."""
+    out = Path(out)
+    check_export_target(out)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(staging, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out

@@ -25,12 +25,12 @@ from mileage.checkpoint.tensors import (
     MODEL_DIR,
     load_optimizer_tensors,
     load_tensors,
-    model_tensors,
     optimizer_tensors,
 )
 from mileage.config import option
 from mileage.errors import UserError
 from mileage.models.hf import empty_causal_lm
+from mileage.models.tensors import model_tensors
 from mileage.seeding import derive_seed
 from mileage.training.batch import TrainBatch
 from mileage.training.losses import LossReducer, value_loss

@@ -12,12 +12,14 @@ sample does not depend on which server generated it, on what was batched with it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from mileage.rollout.engine import Completion, SamplingParams
+from mileage.rollout.engines.http import BadReply
 from mileage.seeding import derive_seed, generator_for
 
 __all__ = ["Completion", "Engine", "SamplingParams", "SamplingSeed"]
@@ -37,6 +39,24 @@ class SamplingSeed:
     def row_seed(self, row: int) -> int:
         """The seed of sample `row` of the rollout (remote engines: SGLang's `sampling_seed`)."""
         return derive_seed(self.seed, f"rollout/{self.rollout_id}/sample", row)
+
+
+def check_sample(
+    tokens: list[int], logprobs: list[float], finish: str, max_new_tokens: int, vocab_size: int
+) -> None:
+    """Refuse (BadReply: the request is retried elsewhere) a remote engine's sample that the
+    trainer cannot use: one log-prob per token, 1..max_new_tokens tokens of the vocabulary,
+    log-probs that are finite and <= 0 (up to float noise), and a known finish reason."""
+    if len(tokens) != len(logprobs) or not 1 <= len(tokens) <= max_new_tokens:
+        raise BadReply(
+            f"{len(tokens)} tokens, {len(logprobs)} log-probs for max_new_tokens {max_new_tokens}"
+        )
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise BadReply("token id outside the vocabulary")
+    if any(not math.isfinite(lp) or lp > 1e-4 for lp in logprobs):
+        raise BadReply("a log-prob is not a finite number <= 0")
+    if finish not in ("stop", "length"):
+        raise BadReply(f"finish_reason {finish!r}")
 
 
 class Engine(Protocol):

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mileage.checkpoint.tensors import model_tensors
 from mileage.errors import UserError
+from mileage.models.tensors import model_tensors
 from mileage.rollout.engines.http import BadReply, ServerPool, describe, get_json, post_json
 from mileage.rollout.engines.launch import free_port
 

@@ -161,3 +161,23 @@ class ServerPool:
 
         with ThreadPoolExecutor(max_workers=max(1, len(self.urls))) as pool:
             return dict(zip(self.urls, pool.map(one, self.urls), strict=True))
+
+    def sync(self, steps: Sequence[tuple[str, Any]], version: int, timeout: float) -> None:
+        """Every server runs the weight-sync `steps` ((path, payload) POSTs, in order) for
+        weight `version`. A server that failed any step is excluded from generation until a
+        later sync reaches it (it would sample from old weights); when none succeeded the run
+        stops, since no server holds the trainer's weights."""
+        failed: dict[str, str] = {}
+        for path, payload in steps:
+            for url, why in self.broadcast(path, payload, timeout).items():
+                if why is not None:
+                    failed.setdefault(url, f"{path}: {why}")
+        if len(failed) == len(self.urls):
+            details = "; ".join(f"{u}: {w}" for u, w in failed.items())
+            raise UserError(
+                f"{self.what}: no server loaded the weights of version {version} ({details}); "
+                "the last checkpoint is untouched: rerun the same command once a server is healthy"
+            )
+        with self._lock:
+            self.excluded = set(failed)
+            self.failed -= set(self.urls) - set(failed)  # a server that just synced is healthy

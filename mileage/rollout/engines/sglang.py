@@ -15,13 +15,10 @@ a failed request is retried on another one. Each row has its own `sampling_seed`
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from mileage.errors import UserError
 from mileage.rollout.engine import Completion, SamplingParams
-from mileage.rollout.engines.base import SamplingSeed
+from mileage.rollout.engines.base import SamplingSeed, check_sample
 from mileage.rollout.engines.broadcast import BroadcastWeights
 from mileage.rollout.engines.http import BadReply, ServerPool
 from mileage.rollout.engines.weights import DiskWeights
@@ -73,17 +70,7 @@ class SGLangEngine:
             return
         path = self.weights.write(model)
         payload = {"model_path": str(path), "weight_version": str(version)}
-        results = self.pool.broadcast("/update_weights_from_disk", payload, self.sync_timeout)
-        failed = {url: why for url, why in results.items() if why is not None}
-        if len(failed) == len(results):
-            details = "; ".join(f"{u}: {w}" for u, w in failed.items())
-            raise UserError(
-                f"sglang rollout: no server loaded the weights of version {version} ({details}); "
-                "the last checkpoint is untouched: rerun the same command once a server is healthy"
-            )
-        # a server that missed this version must not generate until a later sync reaches it
-        self.pool.excluded = set(failed)
-        self.pool.failed -= set(results) - set(failed)
+        self.pool.sync([("/update_weights_from_disk", payload)], version, self.sync_timeout)
         self.weight_version = version
 
     def generate(
@@ -139,14 +126,7 @@ class SGLangEngine:
             version = parse_version(meta.get("weight_version"))
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise BadReply(f"malformed output ({type(exc).__name__}: {exc})") from None
-        if not 1 <= len(tokens) <= params.max_new_tokens:
-            raise BadReply(f"{len(tokens)} tokens for max_new_tokens {params.max_new_tokens}")
-        if any(not 0 <= t < self.vocab_size for t in tokens):
-            raise BadReply("token id outside the vocabulary")
-        if any(not math.isfinite(lp) or lp > 1e-4 for lp in logprobs):
-            raise BadReply("a log-prob is not a finite number <= 0")
-        if finish not in ("stop", "length"):
-            raise BadReply(f"finish_reason {finish!r}")
+        check_sample(tokens, logprobs, finish, params.max_new_tokens, self.vocab_size)
         if version != self.weight_version:
             raise BadReply(
                 f"generated with weight version {version}, expected {self.weight_version}"

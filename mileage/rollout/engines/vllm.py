@@ -29,7 +29,6 @@ client stamps the version it synced; requests go out only after every reload ret
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import tempfile
@@ -41,7 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from mileage.errors import UserError
 from mileage.rollout.engine import Completion, SamplingParams
-from mileage.rollout.engines.base import SamplingSeed
+from mileage.rollout.engines.base import SamplingSeed, check_sample
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.engines.http import BadReply, ServerPool, get_ok
 from mileage.rollout.engines.launch import ServerProcess, free_port
@@ -198,18 +197,7 @@ class VLLMEngine:
             ("/reset_prefix_cache", {}),
             ("/update_weight_version", {"new_version": str(version)}),
         )
-        failed = {}
-        for endpoint, payload in steps:
-            for url, why in self.pool.broadcast(endpoint, payload, self.sync_timeout).items():
-                if why is not None:
-                    failed.setdefault(url, f"{endpoint}: {why}")
-        if len(failed) == len(self.pool.urls):
-            details = "; ".join(f"{u}: {w}" for u, w in failed.items())
-            raise UserError(
-                f"vllm rollout: no server loaded the weights of version {version} ({details}); "
-                "the last checkpoint is untouched: rerun the same command once a server is healthy"
-            )
-        self.pool.excluded = set(failed)
+        self.pool.sync(steps, version, self.sync_timeout)
         self.weight_version = version
 
     def generate(
@@ -271,14 +259,7 @@ class VLLMEngine:
                 raise BadReply(f"malformed completion ({type(exc).__name__}: {exc})") from None
             if echoed != list(prompt):
                 raise BadReply("the server generated from another prompt than the one sent")
-            if len(tokens) != len(logprobs) or not 1 <= len(tokens) <= params.max_new_tokens:
-                raise BadReply(f"{len(tokens)} tokens, {len(logprobs)} log-probs")
-            if any(not 0 <= t < self.vocab_size for t in tokens):
-                raise BadReply("token id outside the vocabulary")
-            if any(not math.isfinite(lp) or lp > 1e-4 for lp in logprobs):
-                raise BadReply("a log-prob is not a finite number <= 0")
-            if finish not in ("stop", "length"):
-                raise BadReply(f"finish_reason {finish!r}")
+            check_sample(tokens, logprobs, finish, params.max_new_tokens, self.vocab_size)
             finished = finish == "stop" and tokens[-1] == self.eos_id
             return Completion(list(prompt), tokens, logprobs, finished, self.weight_version)
 

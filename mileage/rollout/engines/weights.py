@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mileage.checkpoint.hf_export import write_hf_dir
+from mileage.models.hf import write_hf_dir
 
 
 class DiskWeights:
