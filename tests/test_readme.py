@@ -18,7 +18,6 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -158,7 +157,7 @@ def test_what_the_default_run_does_is_what_the_quick_start_command_resolves_to(b
     assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == float(params[1])
     held_out = claim(r"greedy accuracy on (\d+) held-out sums, then runs (\d+) GRPO rollouts", text)
     assert len(builtin_task("addition")[1]) == int(held_out[1])
-    assert cfg.loop.num_rollout is None and DEFAULT_NUM_ROLLOUT == int(held_out[2])
+    assert cfg.loop.num_rollout is None and int(held_out[2]) == DEFAULT_NUM_ROLLOUT
     assert cfg.algo.advantage_estimator == "grpo"
     shape = claim(
         r"\((\d+) prompts × (\d+) samples, temperature ([\d.]+), PPO-clip, AdamW ([\d.e-]+)\), "
