@@ -9,6 +9,8 @@ it cannot drift from what mileage does and prints.
   sample line, writes the checkpoint layout the README shows, stops on SIGTERM with the message
   it quotes, and rerun verbatim says the quoted `run already complete (150 of 150 rollouts)`.
 - "What the default run does" names the defaults the same command resolves to.
+
+The "Real models" section's commands are run as written by tests/test_real_model_path.py.
 """
 
 from __future__ import annotations
