@@ -526,12 +526,12 @@ MUTANTS = [
         (f"{RECORDS}::test_plot_starts_the_held_out_curve_at_the_evaluation_before_training",),
     ),
     Mutant(
-        "complete-message-reworded",
-        "the rerun of a finished run no longer prints the message the README quotes",
-        "mileage/cli/train.py",
-        'f"run already complete ({plan.num_rollout} of {plan.num_rollout} rollouts)"',
-        'f"run complete ({plan.num_rollout}/{plan.num_rollout})"',
-        (f"{README_TEST}::test_rerunning_the_completed_quick_start_says_what_the_readme_quotes",),
+        "checkpoint-file-renamed",
+        "a checkpoint file is named otherwise than the README's layout shows",
+        "mileage/checkpoint/store.py",
+        'TRAINER_STATE = "trainer_state.json"\n',
+        'TRAINER_STATE = "trainer.json"\n',
+        (f"{README_TEST}::test_the_checkpoint_layout_is_the_one_the_readme_shows",),
     ),
     Mutant(
         "progress-field-renamed",
