@@ -6,11 +6,13 @@ it another way: every record is logged at `step=rollout_id + 1` (`wandb_step`: s
 evaluation before training, whose rollout_id is -1, and W&B steps cannot be negative), with
 `rollout_id` itself as the charts' x-axis; a (resumed) tracker first finds the next step W&B
 does not hold yet, then skips records below it and replays the ones from metrics.jsonl that W&B
-is missing (killed before they reached it). TensorBoard takes negative steps: it logs at
-`rollout_id`. Points a killed process
-logged past its checkpoint stay in W&B; the resumed run reproduces the same values, so they are
-not logged again. Online, W&B itself says the next step of a resumed run (`run.step`); offline,
-it starts every process at 0, so the offline files this run id left in --wandb-dir are read back.
+is missing (killed before they reached it). Points a killed process logged past its checkpoint
+stay in W&B; the resumed run reproduces the same values, so they are not logged again. Online,
+W&B itself says the next step of a resumed run (`run.step`); offline, it starts every process
+at 0, so the offline files this run id left in --wandb-dir are read back.
+
+TensorBoard takes negative steps and logs at `rollout_id`; a resumed process hides the points
+a killed one logged past the checkpoint (`purge_step`).
 
 The W&B run id lives in the checkpoint's trainer state, so a resumed run continues the same run.
 """
