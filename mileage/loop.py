@@ -15,6 +15,7 @@ from mileage.components import Run, checkpoint_state, restore
 from mileage.distributed import env
 from mileage.distributed.coordination import preemption_guard
 from mileage.faults import fault_point
+from mileage.metrics import EVAL_BEFORE_TRAINING
 from mileage.progress import RunProgress
 from mileage.rollout.rollout import evaluate, generate_samples, load_samples, save_samples
 from mileage.training.batch import pack_samples
@@ -70,7 +71,10 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
     sync_engine(run)  # a server may hold other weights than the ones just restored
     records = []
     if can_eval(run) and plan.start_rollout_id == 0 and not cfg.loop.skip_eval_before_train:
-        progress.print(f"eval before training: accuracy {run_eval(run):.3f}")
+        # recorded as the point the held-out curve starts from (miles logs it at step 0)
+        accuracy = run_eval(run)
+        run.metrics.log({"rollout_id": EVAL_BEFORE_TRAINING, "eval_accuracy": accuracy})
+        progress.print(f"eval before training: accuracy {accuracy:.3f}")
 
     stop_reason = None
     # under torchrun, the stop and sentinel answers below are agreed by all ranks

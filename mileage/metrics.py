@@ -3,6 +3,11 @@
 On resume the log is cut back to the rollouts the checkpoint covers, so a run that was killed
 and restarted ends with exactly one record per rollout, like an uninterrupted run. The trackers
 (TensorBoard, W&B: `mileage/tracking.py`) get every record after it is durable in the log.
+
+The evaluation before training is the record with rollout_id -1 (`EVAL_BEFORE_TRAINING`): like
+the `eval_accuracy` of rollout N, which is measured after N's training, it describes the weights
+after "rollout -1", the ones training starts from. It is the first line of the log; a resume
+keeps it, and only a start at rollout 0, which evaluates again, replaces it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from pathlib import Path
 from mileage.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
+# the rollout_id of the record of the evaluation before training
+EVAL_BEFORE_TRAINING = -1
 # keys that depend on wall-clock time, not on the computation
 TIMING_KEYS = frozenset(
     {"time", "step_time", "gen_time", "train_time", "sync_time", "tokens_per_s"}
@@ -50,6 +57,11 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return records
 
 
+def rollout_records(records: list[dict]) -> list[dict]:
+    """The records of trained rollouts: all but the evaluation before training."""
+    return [r for r in records if r["rollout_id"] != EVAL_BEFORE_TRAINING]
+
+
 class MetricsLog:
     def __init__(self, run_dir: str | Path | None, trackers: list | None = None):
         self.path = Path(run_dir) / METRICS_FILE if run_dir else None
@@ -58,8 +70,12 @@ class MetricsLog:
     def truncate_from(self, rollout_id: int) -> None:
         """Drop records of rollouts >= `rollout_id` (they will be produced again).
 
-        The trackers then get the chance to catch up on the records kept (see tracking.py).
+        A start at rollout 0 drops the evaluation before training too: it evaluates again (or,
+        with --skip-eval-before-train, must not inherit another process's evaluation). The
+        trackers then get the chance to catch up on the records kept (see tracking.py).
         """
+        if rollout_id <= 0:
+            rollout_id = EVAL_BEFORE_TRAINING
         if self.path is None or not self.path.is_file():
             kept = []
         else:

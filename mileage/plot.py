@@ -7,22 +7,23 @@ from pathlib import Path
 from mileage.errors import UserError
 from mileage.metrics import read_metrics
 
+# (keys drawn in the panel, title); a panel of several keys gets a legend of their LABELS
 PANELS = (
-    ("reward_mean", "reward (sampled)"),
-    ("eval_accuracy", "held-out accuracy (greedy)"),
-    ("kl", "KL"),
-    ("entropy", "entropy"),
-    ("lr", "learning rate"),
-    ("step_time", "seconds / rollout"),
+    (("reward_mean",), "reward (sampled)"),
+    # the evaluation before training is the record of rollout -1: the curve's first point
+    (("eval_accuracy",), "held-out accuracy (greedy)"),
+    (("ppo_kl", "kl"), "policy drift and KL"),
+    (("entropy",), "entropy"),
+    (("lr",), "learning rate"),
+    (("step_time",), "seconds / rollout"),
 )
+LABELS = {
+    "ppo_kl": "ppo_kl: drift from the sampling policy",
+    "kl": "kl: KL to the reference model",
+}
 
 
 def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     if not Path(run_dir).is_dir():
         raise UserError(f"{run_dir} is not a run directory (--save of `mileage train`)")
     records = read_metrics(run_dir)
@@ -31,17 +32,44 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out = Path(out) if out else Path(run_dir) / "metrics.png"
     if out.is_dir() or not out.parent.is_dir():
         raise UserError(f"--out {out}: give a file path in an existing directory")
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
-        points = [(r["rollout_id"], r[key]) for r in records if r.get(key) is not None]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o" if len(points) < 30 else None, linewidth=1.2)
-        ax.set_title(title)
-        ax.set_xlabel("rollout")
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"mileage run: {Path(run_dir).resolve().name}")
-    fig.tight_layout()
+    fig = draw_metrics(records, f"mileage run: {Path(run_dir).resolve().name}")
+    import matplotlib.pyplot as plt
+
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def draw_metrics(records: list[dict], title: str):
+    """The figure of `mileage plot`: one panel per PANELS entry, x = rollout id."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, (keys, panel_title) in zip(axes.flat, PANELS, strict=True):
+        curves = panel_curves(records, keys)
+        for key, (xs, ys) in curves.items():
+            marker = "o" if len(xs) < 30 else None
+            ax.plot(xs, ys, marker=marker, linewidth=1.2, label=LABELS.get(key, key))
+        if curves and len(keys) > 1:
+            ax.legend(fontsize="small")
+        ax.set_title(panel_title)
+        ax.set_xlabel("rollout")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def panel_curves(
+    records: list[dict], keys: tuple[str, ...]
+) -> dict[str, tuple[list[int], list[float]]]:
+    """key -> (rollout ids, values) for each key some record holds, in rollout order."""
+    curves = {}
+    for key in keys:
+        points = sorted((r["rollout_id"], r[key]) for r in records if r.get(key) is not None)
+        if points:
+            curves[key] = ([x for x, _ in points], [y for _, y in points])
+    return curves

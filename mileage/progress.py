@@ -21,9 +21,13 @@ def summary_line(record: dict) -> str:
         f"reward {record['reward_mean']:.3f}",
         f"acc {record['accuracy']:.3f}",
     ]
-    # a PPO critic-only rollout (--num-critic-only-steps) has no policy loss, KL or entropy
-    if "kl" in record:
-        parts += [f"kl {record['kl']:+.2e}", f"entropy {record['entropy']:.3f}"]
+    # a PPO critic-only rollout (--num-critic-only-steps) has no policy loss, drift or entropy
+    if "ppo_kl" in record:
+        parts.append(f"ppo_kl {record['ppo_kl']:+.2e}")
+    if "kl" in record:  # only with a reference model: the KL to it
+        parts.append(f"kl {record['kl']:+.2e}")
+    if "entropy" in record:
+        parts.append(f"entropy {record['entropy']:.3f}")
     if "value_loss" in record:
         parts.append(f"value loss {record['value_loss']:.3f}")
     parts += [

@@ -2,13 +2,18 @@
 
 metrics.jsonl is the record of a run: on resume it is cut back to the checkpoint and the lost
 rollouts are produced again, bit for bit. A tracker cannot un-log, so W&B is made to agree with
-it another way: every record is logged with `step=rollout_id`, and a (resumed) tracker first
-finds the next step W&B does not hold yet, then skips records below it and replays the ones from
-metrics.jsonl that W&B is missing (killed before they reached it). Points a killed process
-logged past its checkpoint stay in W&B; the resumed run reproduces the same values, so they are
-not logged again. Online, W&B itself says the next step of a resumed run (`run.step`); offline,
-it starts every process at 0, so the offline files this run id left in --wandb-dir are read back
+it another way: every record is logged at `step=rollout_id + 1` (`wandb_step`: step 0 is the
+evaluation before training, whose rollout_id is -1, and W&B steps cannot be negative), with
+`rollout_id` itself as the charts' x-axis; a (resumed) tracker first finds the next step W&B
+does not hold yet, then skips records below it and replays the ones from metrics.jsonl that W&B
+is missing (killed before they reached it). Points a killed process logged past its checkpoint
+stay in W&B; the resumed run reproduces the same values, so they are not logged again. Online,
+W&B itself says the next step of a resumed run (`run.step`); offline, it starts every process
+at 0, so the offline files this run id left in --wandb-dir are read back
 with W&B's own reader (`wandb leet inspect --json`).
+
+TensorBoard takes negative steps and logs at `rollout_id`; a resumed process hides the points
+a killed one logged past the checkpoint (`purge_step`).
 
 The W&B run id lives in the checkpoint's trainer state, so a resumed run continues the same run.
 """
@@ -26,6 +31,7 @@ from pathlib import Path
 
 from mileage.config import option
 from mileage.errors import UserError
+from mileage.metrics import EVAL_BEFORE_TRAINING
 
 WANDB_MODES = ("online", "offline", "disabled")
 # the version mileage is tested with; offline resume reads W&B's files with its `leet inspect`
@@ -84,21 +90,32 @@ def new_wandb_run_id() -> str:
 
 
 class TensorBoardTracker:
-    def __init__(self, log_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter
+    """Logs at step `rollout_id`; a resumed process hides what a killed one logged past the
+    point metrics.jsonl was cut back to (TensorBoard's purge_step), so each step shows once."""
 
-        self.writer = SummaryWriter(str(log_dir))
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.writer = None  # opened by catch_up, which knows where this process starts
 
     def catch_up(self, records: list[dict]) -> None:
-        """TensorBoard keeps what it logged before a kill; nothing to replay."""
+        """TensorBoard keeps what it logged before a kill: nothing to replay, the rest purged."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        start = records[-1]["rollout_id"] + 1 if records else EVAL_BEFORE_TRAINING
+        self.writer = SummaryWriter(str(self.log_dir), purge_step=start)
 
     def log(self, record: dict) -> None:
+        if self.writer is None:  # not resumed through MetricsLog.truncate_from: nothing to purge
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.log_dir))
         for key, value in scalars(record).items():
             self.writer.add_scalar(key, value, record["rollout_id"])
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -109,8 +126,13 @@ def scalars(record: dict) -> dict[str, float]:
     }
 
 
+def wandb_step(record: dict) -> int:
+    """The W&B step of a metrics record: rollout N is step N+1, the evaluation before training 0."""
+    return record["rollout_id"] + 1
+
+
 class WandbTracker:
-    """One W&B run per mileage run; each rollout is the point at step `rollout_id`, exactly once."""
+    """One W&B run per mileage run; each record is the point at `wandb_step`, exactly once."""
 
     def __init__(self, cfg: TrackingConfig, run_id: str, directory: Path, name: str, config: dict):
         import wandb
@@ -129,6 +151,9 @@ class WandbTracker:
                 console="off", silent=True, x_disable_stats=True, save_code=False
             ),
         )
+        # charts against the rollout, so that the evaluation before training sits at -1
+        self.run.define_metric("rollout_id")
+        self.run.define_metric("*", step_metric="rollout_id")
         self.next_step = 0
         if cfg.wandb_mode == "online":
             self.next_step = self.run.step
@@ -142,9 +167,10 @@ class WandbTracker:
             self.log(record)
 
     def log(self, record: dict) -> None:
-        if record["rollout_id"] >= self.next_step:
-            self.run.log(scalars(record), step=record["rollout_id"])
-            self.next_step = record["rollout_id"] + 1
+        step = wandb_step(record)
+        if step >= self.next_step:
+            self.run.log({**scalars(record), "rollout_id": record["rollout_id"]}, step=step)
+            self.next_step = step + 1
 
     def close(self) -> None:
         self.run.finish()

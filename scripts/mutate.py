@@ -53,6 +53,14 @@ SEEDS = "tests/test_sampling_seeds.py"
 SIZES = "tests/test_sizes.py"
 LAST_BYTE = "tests/test_ckpt_last_byte.py"
 TRACKING = "tests/test_tracking.py"
+RECORDS = "tests/test_metrics_records.py"
+RECORDS_KILLS = (
+    f"{RECORDS}::test_evaluation_before_training_is_recorded_once_across_kills_everywhere"
+)
+README_TEST = "tests/test_readme.py"
+README_SAMPLE = (
+    f"{README_TEST}::test_rollout_lines_have_the_fields_and_formats_of_the_readme_sample"
+)
 
 
 @dataclass(frozen=True)
@@ -618,6 +626,96 @@ MUTANTS = [
             f"{SIZES}::test_serve_refuses_max_new_tokens_past_the_context",
             f"{SIZES}::test_serve_refuses_a_kv_cache_that_cannot_fit",
         ),
+    ),
+    Mutant(
+        "drift-reported-as-kl",
+        "without a reference model the drift from the sampling policy is reported as `kl`",
+        "mileage/training/actor.py",
+        '        stats["ppo_kl"] = float(reduce(part.old_logprobs - logp.detach()))\n',
+        '        stats["ppo_kl"] = stats["kl"] = float(reduce(part.old_logprobs - logp.detach()))\n',
+        (
+            f"{RECORDS}::test_without_a_reference_the_drift_is_ppo_kl_and_there_is_no_kl",
+            README_SAMPLE,
+        ),
+    ),
+    Mutant(
+        "eval-before-training-not-recorded",
+        "the evaluation before training is printed but not written to metrics.jsonl/trackers",
+        "mileage/loop.py",
+        '        run.metrics.log({"rollout_id": EVAL_BEFORE_TRAINING, "eval_accuracy": accuracy})\n',
+        "",
+        (RECORDS_KILLS,),
+    ),
+    Mutant(
+        "eval-record-kept-on-restart",
+        "a start at rollout 0 keeps the evaluation record of a killed process and adds its own",
+        "mileage/metrics.py",
+        "        if rollout_id <= 0:\n            rollout_id = EVAL_BEFORE_TRAINING\n",
+        "",
+        (
+            f"{RECORDS}::test_cut_back_keeps_the_evaluation_before_training_unless_the_run_starts_over",
+            RECORDS_KILLS,
+        ),
+    ),
+    Mutant(
+        "eval-record-dropped-on-resume",
+        "the resume cut-back drops the record of the evaluation before training",
+        "mileage/metrics.py",
+        '            kept = [r for r in read_metrics(self.path.parent) if r["rollout_id"] < rollout_id]\n',
+        '            kept = [r for r in read_metrics(self.path.parent) if 0 <= r["rollout_id"] < rollout_id]\n',
+        (
+            f"{RECORDS}::test_cut_back_keeps_the_evaluation_before_training_unless_the_run_starts_over",
+            RECORDS_KILLS,
+        ),
+    ),
+    Mutant(
+        "wandb-step-is-rollout-id",
+        "W&B logs record N at step N, so the evaluation before training (-1) is never logged",
+        "mileage/tracking.py",
+        '    return record["rollout_id"] + 1\n',
+        '    return record["rollout_id"]\n',
+        (f"{RECORDS}::test_wandb_steps_start_at_0_with_the_evaluation_and_never_repeat",),
+    ),
+    Mutant(
+        "tensorboard-no-purge",
+        "TensorBoard shows the points a killed process logged past its checkpoint twice",
+        "mileage/tracking.py",
+        "        self.writer = SummaryWriter(str(self.log_dir), purge_step=start)\n",
+        "        self.writer = SummaryWriter(str(self.log_dir))\n",
+        (RECORDS_KILLS,),
+    ),
+    Mutant(
+        "plot-drops-eval-before-training",
+        "`mileage plot` starts the held-out curve at the first evaluation after training",
+        "mileage/plot.py",
+        "r in records if r.get(key) is not None)",
+        'r in records if r.get(key) is not None and r["rollout_id"] >= 0)',
+        (f"{RECORDS}::test_plot_starts_the_held_out_curve_at_the_evaluation_before_training",),
+    ),
+    Mutant(
+        "checkpoint-file-renamed",
+        "a checkpoint file is named otherwise than the README's layout shows",
+        "mileage/checkpoint/store.py",
+        'TRAINER_STATE = "trainer_state.json"\n',
+        'TRAINER_STATE = "trainer.json"\n',
+        (f"{README_TEST}::test_the_checkpoint_layout_is_the_one_the_readme_shows",),
+    ),
+    Mutant(
+        "progress-field-renamed",
+        "the rollout line names a field otherwise than the README's sample line",
+        "mileage/progress.py",
+        "        parts.append(f\"entropy {record['entropy']:.3f}\")\n",
+        "        parts.append(f\"ent {record['entropy']:.3f}\")\n",
+        (README_SAMPLE,),
+    ),
+    Mutant(
+        "readme-flag-renamed",
+        "a flag of the README's table is renamed in the program (--seed)",
+        "mileage/run_config.py",
+        '    seed: int = option(1234, "seed for sampling, shuffling and initialisation")\n',
+        '    seed: int = option(1234, "seed for sampling, shuffling and initialisation", '
+        'flag="--random-seed")\n',
+        (f"{README_TEST}::test_flags_at_a_glance_are_in_train_help_with_their_choices",),
     ),
 ]
 

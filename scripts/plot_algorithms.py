@@ -4,8 +4,9 @@
         GRPO=/tmp/alg/grpo "REINFORCE++=/tmp/alg/reinforce_plus_plus" PPO=/tmp/alg/ppo
 
 Each NAME=SAVE_DIR is a `mileage train --save SAVE_DIR` run; its metrics.jsonl records
-`eval_accuracy` at every evaluation. `--before` is the accuracy before RL, which `mileage train`
-prints (`eval before training: ...`) and which all runs of the same model share.
+`eval_accuracy` at every evaluation, the one before training included (rollout_id -1, drawn at
+0 rollouts trained). `--before` supplies that starting point for runs whose metrics.jsonl lacks
+it (written before mileage recorded it, or run with --skip-eval-before-train).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 
 def eval_curve(save_dir: Path) -> list[tuple[int, float]]:
-    """(rollouts trained, held-out accuracy) at each evaluation of the run."""
+    """(rollouts trained, held-out accuracy) at each evaluation of the run; the evaluation before
+    training (rollout_id -1) is the point at 0 rollouts trained."""
     curve = []
     for line in (save_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -28,13 +30,20 @@ def eval_curve(save_dir: Path) -> list[tuple[int, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="NAME=SAVE_DIR")
-    parser.add_argument("--before", type=float, required=True, help="accuracy before RL")
+    parser.add_argument(
+        "--before", type=float, help="accuracy before RL, for runs that did not record it"
+    )
     parser.add_argument("--out", required=True, help="figure path (.png)")
     args = parser.parse_args()
     curves = {}
     for spec in args.runs:
         name, _, path = spec.partition("=")
-        curves[name] = [(0, args.before), *eval_curve(Path(path))]
+        curve = eval_curve(Path(path))
+        if not curve or curve[0][0] != 0:
+            if args.before is None:
+                parser.error(f"{path} has no evaluation before training: give --before")
+            curve = [(0, args.before), *curve]
+        curves[name] = curve
 
     import matplotlib
 

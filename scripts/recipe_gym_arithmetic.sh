@@ -34,12 +34,14 @@ $PY -m mileage plot "$OUT"
 $PY - "$OUT" <<'EOF'
 import json, sys
 records = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
+before = [r["eval_accuracy"] for r in records if r["rollout_id"] == -1]
+records = [r for r in records if r["rollout_id"] >= 0]  # -1: the evaluation before training
 first, last = records[:5], records[-5:]
 mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)
 print(f"rollouts {len(records)}; reward (mean of 5 rollouts) first {mean(first, 'reward_mean'):.3f}"
       f" -> last {mean(last, 'reward_mean'):.3f}; exact answers {mean(first, 'accuracy'):.3f}"
       f" -> {mean(last, 'accuracy'):.3f}")
 evals = [(r["rollout_id"], r["eval_accuracy"]) for r in records if r.get("eval_accuracy") is not None]
+print("held-out score before training:", ", ".join(f"{a:.3f}" for a in before) or "not recorded")
 print("held-out score after rollout:", ", ".join(f"{i}: {a:.3f}" for i, a in evals))
 EOF
-grep -h "eval before training" "$OUT.log" | head -n 1 || true

@@ -220,7 +220,7 @@ def test_n2_checkpoint_resumes_at_n1_exactly_and_trains_like_n2_on_the_same_samp
     assert [r["rollout_id"] for r in ours] == [0, 1]
     for key in ("prompt_indices", "lrs", "global_step", "reward_mean", "response_len"):
         assert ours[1][key] == theirs[1][key], key
-    for key in ("grad_norm", "entropy", "kl", "ratio"):
+    for key in ("grad_norm", "entropy", "ppo_kl", "ratio"):
         assert ours[1][key] == pytest.approx(theirs[1][key], rel=1e-4), key
     ours_ckpt, theirs_ckpt = checkpoint_path(save, 1), checkpoint_path(reference, 1)
     assert json.loads((ours_ckpt / META).read_text())["world_size"] == 1

@@ -108,7 +108,8 @@ def test_readme_real_model_commands_run_as_written(chat_hf, tmp_path, mileage_ho
             extra += ["--num-rollout", "2"]
         first = run_here(tmp_path, [*argv, *extra])
         assert first.returncode == 0 and not first.stderr, first.stdout + first.stderr
-        records = [json.loads(line) for line in (tmp_path / save / "metrics.jsonl").open()]
+        logged = [json.loads(line) for line in (tmp_path / save / "metrics.jsonl").open()]
+        records = [r for r in logged if r["rollout_id"] >= 0]  # -1: the evaluation before training
         if "--num-epoch" in argv:  # 2 passes over 8 prompts, 4 per rollout
             assert [r["rollout_id"] for r in records] == [0, 1, 2, 3]
             trainer = json.loads((tmp_path / save / "iter_0000003/trainer_state.json").read_text())
@@ -119,10 +120,14 @@ def test_readme_real_model_commands_run_as_written(chat_hf, tmp_path, mileage_ho
             assert [r["rollout_id"] for r in records] == [0, 1]
         if "--eval-prompt-data" in argv:  # before training and after the last rollout
             assert "eval before training: accuracy" in first.stdout
+            assert logged[0].keys() == {"rollout_id", "eval_accuracy"}
+            assert (
+                f"eval before training: accuracy {logged[0]['eval_accuracy']:.3f}" in first.stdout
+            )
             assert isinstance(records[-1]["eval_accuracy"], float)
             assert "final eval accuracy" in first.stdout
         else:  # no held-out data: nothing evaluated, nothing said about it
-            assert all("eval_accuracy" not in r for r in records)
+            assert all("eval_accuracy" not in r for r in logged)
             assert "eval" not in first.stdout
         sample = json.loads((tmp_path / "debug" / save / "0.json").read_text())["samples"][0]
         prompt_text = AutoTokenizer.from_pretrained(chat_hf).decode(sample["prompt_ids"])

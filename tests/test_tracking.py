@@ -18,6 +18,7 @@ from mileage.tracking import (
     check_tracking,
     offline_run_files,
     read_wandb_history,
+    wandb_step,
 )
 
 
@@ -49,8 +50,10 @@ def wandb_points(wandb_dir: Path, save: Path, last: int) -> tuple[list[Path], li
     trainer = json.loads((save / f"iter_{last:07d}" / "trainer_state.json").read_text())
     run_id = trainer["tracking"]["wandb_run_id"]
     files = offline_run_files(wandb_dir / "wandb", run_id)
-    points = [(step, row["reward_mean"]) for f in files for step, row in read_wandb_history(f)]
-    return files, points
+    rows = [(step, row) for f in files for step, row in read_wandb_history(f)]
+    # the charts' x-axis: rollout N is W&B step N+1 (step 0: the evaluation before training)
+    assert all(wandb_step(row) == step for step, row in rows)
+    return files, [(step, row["reward_mean"]) for step, row in rows]
 
 
 def metrics(save: Path) -> list[dict]:
@@ -71,8 +74,8 @@ def test_killed_and_resumed_offline_wandb_run_has_one_point_per_rollout(
 
     files, points = wandb_points(wandb_dir, save, 3)
     assert len(files) == 2  # one offline directory per process, both of the same W&B run
-    assert sorted(step for step, _ in points) == [0, 1, 2, 3]
-    assert sorted(points) == [(r["rollout_id"], r["reward_mean"]) for r in metrics(save)]
+    assert sorted(step for step, _ in points) == [1, 2, 3, 4]
+    assert sorted(points) == [(wandb_step(r), r["reward_mean"]) for r in metrics(save)]
 
     # A writer killed mid-record leaves a torn tail (here the killed process's file held only
     # its header: W&B had not flushed). W&B's reader keeps the whole records before the tear,
@@ -120,16 +123,17 @@ def test_points_logged_past_the_checkpoint_are_kept_not_repeated(
     assert resumed.returncode == 0, resumed.stderr
     files, points = wandb_points(wandb_dir, save, 4)
     assert len(files) == 2
-    assert [step for step, _ in points] == [0, 1, 2, 3, 4]  # 2 and 3 from the first process
+    assert [step for step, _ in points] == [1, 2, 3, 4, 5]  # 3 and 4 from the first process
     final = metrics(save)
     assert final[:4] == [
         {**r, **{k: final[i][k] for k in TIMING_KEYS & r.keys()}}
         for i, r in enumerate(first_metrics)
     ]
-    assert points == [(r["rollout_id"], r["reward_mean"]) for r in final]
+    assert points == [(wandb_step(r), r["reward_mean"]) for r in final]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(save / "tensorboard"))
     events.Reload()
-    assert {e.step for e in events.Scalars("reward_mean")} == {0, 1, 2, 3, 4}
+    # once each: the resumed process hides the first one's points past the checkpoint
+    assert [e.step for e in events.Scalars("reward_mean")] == [0, 1, 2, 3, 4]

@@ -196,14 +196,16 @@ class Actor:
         if self.algo.entropy_coef:
             loss = loss - self.algo.entropy_coef * entropy_loss
         stats["entropy"] = float(entropy_loss.detach())
+        # the drift from the old policy of the PPO ratio (the one that generated the samples),
+        # k1 of old vs current: verl's and miles' `ppo_kl`. It is ~0 at a rollout's first
+        # optimizer step by construction, so it is never reported as a KL to anything else.
+        stats["ppo_kl"] = float(reduce(part.old_logprobs - logp.detach()))
         if part.ref_logprobs is not None:
+            # `kl` is only ever the KL to the reference model, never a stand-in for it
             kl = reduce(kl_estimate(logp, part.ref_logprobs, self.algo.kl_loss_type))
             if self.algo.use_kl_loss and self.algo.kl_loss_coef:
                 loss = loss + self.algo.kl_loss_coef * kl
             stats["kl"] = float(kl.detach())
-        else:
-            # no reference: report the drift from the generating policy instead
-            stats["kl"] = float(reduce(part.old_logprobs - logp.detach()))
         loss.backward()
         return stats
 
