@@ -187,7 +187,7 @@ class Run:
 
     @property
     def device(self) -> torch.device:
-        """Where the policy trains: the rank's GPU under NCCL, else the CPU."""
+        """Where the policy trains: this rank's GPU when --device allows it, else the CPU."""
         return next(self.model.parameters()).device
 
 
@@ -236,6 +236,11 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         ref_path, ref_fmt = reference_source(flags, gather_disk_state(flags, None))
         reference = _load_weights(ref_path, ref_fmt, config_dir).requires_grad_(False)
         log(f"reference model: {ref_path} ({ref_fmt})")
+    if not env.is_distributed():
+        # one process: the GPU whenever --device allows it (torchrun ranks move in shard_model)
+        model.to(env.device())
+        if reference is not None:
+            reference.to(env.device())
     eos = tokenizer.eos_token_id
     engine = None
     if not cfg.rollout.load_debug_rollout_data:

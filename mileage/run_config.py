@@ -94,7 +94,7 @@ SECTIONS = (
     ("critic", CriticConfig, "PPO critic"),
     ("optim", OptimConfig, "optimizer"),
     ("loop", LoopConfig, "loop"),
-    ("parallel", ParallelConfig, "distributed (torchrun)"),
+    ("parallel", ParallelConfig, "device and distributed (torchrun)"),
     ("tracking", TrackingConfig, "tracking"),
 )
 

@@ -16,6 +16,18 @@ rm -rf "$OUT"
 ARGS=(--rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 16 --eval-interval 0
       --num-threads 1 --save "$OUT/run" --load "$OUT/run" --save-interval 1)
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+# a 1-GPU run must train on the GPU: the parameters, the batch and the optimizer state (and the
+# reference's parameters, with a KL loss) are checked to live there; exit 1 if any is on the CPU
+echo "== 1 rank, --device cuda: where the tensors live"
+$PY scripts/gpu_devices.py --expect cuda -- "${ARGS[@]/$OUT\/run/$OUT/devices}" --num-rollout 1 \
+    --device cuda --use-kl-loss --kl-loss-coef 0.01
+echo "proved: one process trains on cuda (parameters, batch, optimizer state, reference)"
+if [ "$NPROC" -ge 2 ]; then
+  echo "== 2 ranks, NCCL: where each rank's shards live"
+  $PY -m torch.distributed.run --nproc-per-node 2 --standalone scripts/gpu_devices.py \
+      --expect cuda -- "${ARGS[@]/$OUT\/run/$OUT/devices2}" --num-rollout 1
+  echo "proved: each torchrun rank trains its shards on its own GPU"
+fi
 echo "== $NPROC rank(s), NCCL if 2"
 $PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone -m mileage train "${ARGS[@]}" --num-rollout 3
 $PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone -m mileage train "${ARGS[@]}" --num-rollout 5

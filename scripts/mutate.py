@@ -47,6 +47,8 @@ SYNC_FAULT_CHAIN = (
 )
 PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
+DEVICE = "tests/test_device.py"
+RNG_CUDA = "tests/test_rng_cuda.py"
 
 
 @dataclass(frozen=True)
@@ -451,6 +453,30 @@ MUTANTS = [
         "    error = env.broadcast_object(error)\n",
         "",
         (f"{DIST}::test_second_torchrun_job_on_a_save_in_use_exits_2_on_every_rank",),
+    ),
+    Mutant(
+        "gpu-only-under-torchrun",
+        "CUDA is used only at a world size above 1 (a single GPU trains on the CPU)",
+        "mileage/distributed/env.py",
+        'if choice != "cpu" and torch.cuda.is_available():',
+        'if choice != "cpu" and torch.cuda.is_available() and world_size() > 1:',
+        (DEVICE,),
+    ),
+    Mutant(
+        "cuda-rng-of-device-0",
+        "the CUDA RNG of device 0 is saved and restored, not the current device's",
+        "mileage/seeding.py",
+        "        device = torch.cuda.current_device()\n",
+        "        device = 0\n",
+        (RNG_CUDA,),
+    ),
+    Mutant(
+        "cuda-rng-text-order",
+        "an older checkpoint's CUDA states are taken in text order (torch_cuda_10 before _2)",
+        "mileage/seeding.py",
+        "    return legacy.get(device)",
+        "    return dict(enumerate(legacy[k] for k in sorted(map(str, legacy)))).get(device)",
+        (RNG_CUDA,),
     ),
 ]
 
