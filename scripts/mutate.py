@@ -49,6 +49,8 @@ PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
 DEVICE = "tests/test_device.py"
 RNG_CUDA = "tests/test_rng_cuda.py"
+SGLANG_CLIENT = "tests/test_sglang_client.py"
+BROADCAST_E2E = f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk"
 
 
 @dataclass(frozen=True)
@@ -477,6 +479,76 @@ MUTANTS = [
         "    return legacy.get(device)",
         "    return dict(enumerate(legacy[k] for k in sorted(map(str, legacy)))).get(device)",
         (RNG_CUDA,),
+    ),
+    Mutant(
+        "row-seed-63-bits",
+        "remote row seeds keep 63 bits (an int32 seed tensor in SGLang overflows)",
+        "mileage/rollout/engines/base.py",
+        '"sample", row) & ROW_SEED_MASK',
+        '"sample", row)',
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "seed-check-skipped",
+        "a server started without --enable-deterministic-inference is used silently",
+        "mileage/rollout/engines/server_info.py",
+        "    ignoring = [i.url for i in infos if not i.deterministic]",
+        "    ignoring = []",
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "group-counts-tp-only",
+        "the weight-update group counts tp_size ranks per server (dp/pp > 1 hangs)",
+        "mileage/rollout/engines/server_info.py",
+        '    workers = _positive(info, "tp_size") * _positive(info, "pp_size") * _positive(info, "dp_size")',
+        '    workers = _positive(info, "tp_size")',
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "bucket-over-limit",
+        "a bucket takes one tensor past --update-weight-buffer-size",
+        "mileage/rollout/engines/broadcast.py",
+        "        if current and used + size > limit:",
+        "        if current and used > limit:",
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "weights-sent-in-fp32",
+        "broadcast sync sends the trainer's dtype, not the servers'",
+        "mileage/rollout/engines/broadcast.py",
+        "bucket = {n: tensors[n].detach().to(self.dtype).contiguous() for n in names}",
+        "bucket = {n: tensors[n].detach().contiguous() for n in names}",
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "every-bucket-labels-version",
+        "every bucket carries the weight version (a half-updated server claims the new one)",
+        "mileage/rollout/engines/broadcast.py",
+        '    if last:\n        request["weight_version"] = str(version)',
+        '    request["weight_version"] = str(version)',
+        (
+            SGLANG_CLIENT,
+            f"{SERVE}::test_broadcast_in_buckets_loads_every_tensor_and_a_short_update_is_refused",
+        ),
+    ),
+    Mutant(
+        "serve-refuses-partial-buckets",
+        "mileage serve refuses a bucket that is not the whole model",
+        "mileage/serve.py",
+        "            if done:\n                arrived = self.pending | set(received)",
+        "            if True:\n                arrived = self.pending | set(received)",
+        (
+            f"{SERVE}::test_broadcast_in_buckets_loads_every_tensor_and_a_short_update_is_refused",
+            BROADCAST_E2E,
+        ),
+    ),
+    Mutant(
+        "one-request-in-flight",
+        "--sglang-server-concurrency is ignored: one request in flight per server",
+        "mileage/rollout/engines/sglang.py",
+        "        self.pool.in_flight = concurrency",
+        "        self.pool.in_flight = 1",
+        (SGLANG_CLIENT,),
     ),
 ]
 

@@ -33,6 +33,8 @@ def _train(cfg: RunConfig) -> int:
     for note in notes:
         progress.print(note)
     progress.print(plan.describe())
+    if cfg.engine.note():
+        progress.print(cfg.engine.note())
     if env.device().type == "cuda":
         progress.print(f"training on {env.device()} ({torch.cuda.get_device_name(env.device())})")
     save = cfg.checkpoint.save

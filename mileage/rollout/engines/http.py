@@ -84,6 +84,14 @@ class ServerPool:
         self.excluded: set[str] = set()  # never tried (e.g. missed the last weight sync)
         self.in_flight = 1  # requests at once per server (a server that batches: more)
         self._lock = threading.Lock()
+        self._slots: dict[str, tuple[int, threading.Semaphore]] = {}
+
+    def _slot(self, url: str) -> threading.Semaphore:
+        with self._lock:
+            slots = self._slots.get(url)
+            if slots is None or slots[0] != self.in_flight:  # in_flight may be set after init
+                slots = self._slots[url] = (self.in_flight, threading.Semaphore(self.in_flight))
+            return slots[1]
 
     def _order(self, first: int) -> list[str]:
         usable = [u for u in self.urls if u not in self.excluded]
@@ -113,7 +121,8 @@ class ServerPool:
             url = fresh[0]
             tried.add(url)
             try:
-                reply = post_json(url + path, payload, self.timeout)
+                with self._slot(url):  # at most `in_flight` requests at once per server
+                    reply = post_json(url + path, payload, self.timeout)
                 result = validate(reply) if validate else reply
             except (OSError, BadReply, ValueError) as exc:
                 errors.append(f"{url}: {describe(exc)}")
