@@ -484,8 +484,8 @@ MUTANTS = [
         "row-seed-63-bits",
         "remote row seeds keep 63 bits (an int32 seed tensor in SGLang overflows)",
         "mileage/rollout/engines/base.py",
-        '"sample", row) & ROW_SEED_MASK',
-        '"sample", row)',
+        '/sample", row) & ROW_SEED_MASK',
+        '/sample", row)',
         (SGLANG_CLIENT,),
     ),
     Mutant(
