@@ -309,11 +309,17 @@ def make_handler(server: EngineServer):
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    # the stdlib's listen backlog is 5; a client with --sglang-server-concurrency 64 opens that
+    # many connections at once, and connections past the backlog can be reset (seen here)
+    request_queue_size = 1024
+
+
 def serve(hf_checkpoint: str, host: str, port: int, num_threads: int) -> int:
     configure_determinism(0, num_threads)
     engine = EngineServer(hf_checkpoint)
     try:
-        httpd = ThreadingHTTPServer((host, port), make_handler(engine))
+        httpd = Server((host, port), make_handler(engine))
     except OSError as exc:
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     httpd.daemon_threads = True

@@ -50,6 +50,7 @@ PPO_CRASH = "tests/test_ppo_crash.py"
 DEVICE = "tests/test_device.py"
 RNG_CUDA = "tests/test_rng_cuda.py"
 SGLANG_CLIENT = "tests/test_sglang_client.py"
+VLLM_CLIENT = "tests/test_vllm_client.py"
 BROADCAST_E2E = f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk"
 
 
@@ -549,6 +550,30 @@ MUTANTS = [
         "        self.pool.in_flight = concurrency",
         "        self.pool.in_flight = 1",
         (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "empty-reply-is-bad",
+        "an empty 2xx body (vLLM < 0.32's /reset_prefix_cache) is a bad reply",
+        "mileage/rollout/engines/http.py",
+        "    if not body.strip():\n",
+        "    if not body.strip() and False:\n",
+        (VLLM_CLIENT,),
+    ),
+    Mutant(
+        "old-vllm-retried",
+        "a vLLM without the 0.32 endpoints is treated as a failed sync, not named",
+        "mileage/rollout/engines/vllm.py",
+        "                    check_server_api(url, endpoint, why, self.sync_timeout)\n",
+        "",
+        (VLLM_CLIENT,),
+    ),
+    Mutant(
+        "cpu-flags-on-gpu",
+        "the CPU launch flags are given on a GPU too",
+        "mileage/rollout/engines/vllm.py",
+        "    for flag, value in defaults if on_cpu else LAUNCH_DEFAULTS:",
+        "    for flag, value in defaults:",
+        (VLLM_CLIENT,),
     ),
 ]
 

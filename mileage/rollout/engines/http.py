@@ -35,6 +35,10 @@ def _json_reply(request: urllib.request.Request | str, timeout: float) -> Any:
     except http.client.HTTPException as exc:
         # a server that dies mid-reply: a cut-off body (IncompleteRead) or status line
         raise BadReply(f"broken reply ({type(exc).__name__})") from None
+    if not body.strip():
+        # an empty 2xx body is "done, nothing to say" (vLLM before 0.32 answers
+        # /reset_prefix_cache so); a caller that needs content rejects the None
+        return None
     try:
         return json.loads(body)
     except ValueError:
