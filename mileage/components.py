@@ -249,7 +249,11 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         model, reference, generation_copy = shard_run_models(model, reference, cfg.parallel)
         if engine is not None:
             engine.model = generation_copy
-            engine = ShardedGenerationEngine(engine, cfg.rollout.n_samples_per_prompt)
+            engine = ShardedGenerationEngine(
+                engine,
+                cfg.rollout.n_samples_per_prompt,
+                loss_precision_matches=cfg.parallel.fsdp_mixed_precision == "none",
+            )
     optimizer = build_optimizer(model, cfg.optim)
     steps_per_rollout = (
         cfg.rollout.samples_per_rollout // cfg.algo.batch_sizes(cfg.rollout.samples_per_rollout)[0]

@@ -575,6 +575,14 @@ MUTANTS = [
         "    for flag, value in defaults:",
         (VLLM_CLIENT,),
     ),
+    Mutant(
+        "bf16-old-logprobs-from-fp32-copy",
+        "under --fsdp-mixed-precision bf16 the fp32 generation copy's log-probs are the old policy",
+        "mileage/distributed/rollout.py",
+        "        self.in_process = loss_precision_matches\n",
+        "        self.in_process = True\n",
+        ("tests/test_mixed_precision_logprobs.py",),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
