@@ -44,6 +44,7 @@ from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
 from mileage.distributed.checkpoint import ShardedCheckpointWriter, rng_of_this_rank
 from mileage.distributed.parallelize import shard_run_models
+from mileage.distributed.remote import RemoteEngineOnRank0
 from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.errors import UserError
 from mileage.metrics import MetricsLog
@@ -246,8 +247,13 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     if not cfg.rollout.load_debug_rollout_data:
         engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
     if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
-        model, reference, generation_copy = shard_run_models(model, reference, cfg.parallel)
-        if engine is not None:
+        local = engine is not None and engine.in_process
+        model, reference, generation_copy = shard_run_models(
+            model, reference, cfg.parallel, generation_copy=local
+        )
+        if engine is not None and not local:  # rank 0 drives the servers, no copy is kept
+            engine = RemoteEngineOnRank0(engine)
+        elif engine is not None:
             engine.model = generation_copy
             engine = ShardedGenerationEngine(
                 engine,

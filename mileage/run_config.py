@@ -193,10 +193,15 @@ class RunConfig:
         self.algo.validate(r.n_samples_per_prompt)
         self.critic.validate(self.algo.advantage_estimator)
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
-        if env.world_size() > 1 and self.engine.rollout_engine != "local":
+        if env.world_size() > 1 and self.engine.rollout_engine == "vllm":
             raise UserError(
-                f"--rollout-engine {self.engine.rollout_engine} is not supported under torchrun "
-                "yet; each rank generates with the in-process engine (--rollout-engine local)"
+                "--rollout-engine vllm is not supported under torchrun yet; use --rollout-engine "
+                "sglang (SGLang servers or `mileage serve`) or local"
+            )
+        if env.world_size() > 1 and self.engine.rollout_weight_sync == "broadcast":
+            raise UserError(
+                "--rollout-weight-sync broadcast is not supported under torchrun yet (the weights "
+                "are sharded over the ranks); use --rollout-weight-sync disk"
             )
         if env.world_size() > 1 and self.algo.advantage_estimator == "ppo":
             raise UserError(

@@ -583,6 +583,16 @@ MUTANTS = [
         "        self.in_process = True\n",
         ("tests/test_mixed_precision_logprobs.py",),
     ),
+    Mutant(
+        "n2-servers-miss-the-weights",
+        "under torchrun the servers are never given the trained weights",
+        "mileage/distributed/remote.py",
+        "            self.engine.load_weights_from(path, version)\n",
+        "            self.engine.weight_version = version\n",
+        (
+            "tests/test_distributed_remote.py::test_n2_through_servers_learns_and_the_servers_follow_the_weights",
+        ),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)

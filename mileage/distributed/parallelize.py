@@ -117,15 +117,20 @@ def shard_run_models(
     model: torch.nn.Module,
     reference: torch.nn.Module | None,
     cfg: ParallelConfig,
-) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module]:
-    """(sharded policy, sharded reference, plain full copy of the policy for generation).
+    generation_copy: bool = True,
+) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module | None]:
+    """(sharded policy, sharded reference, plain full copy of the policy for generation, or
+    None when `generation_copy` is False: a remote engine generates, nothing here decodes).
 
     The copy is taken before sharding, so it starts with exactly the loaded weights; after
     each update `copy_full_weights` refreshes it.
     """
     import copy
 
-    generation_copy = copy.deepcopy(model).requires_grad_(False).to(env.device())
+    if generation_copy:
+        generation_copy = copy.deepcopy(model).requires_grad_(False).to(env.device())
+    else:
+        generation_copy = None
     shard_model(model, cfg)
     if reference is not None:
         shard_model(reference, cfg)

@@ -117,8 +117,12 @@ class SGLangEngine:
                 )
             self.weight_version = version
             return
+        self.load_weights_from(self.weights.write(model), version)
+
+    def load_weights_from(self, path, version: int) -> None:
+        """Every server loads the HF directory at `path` and labels it `version`; a server that
+        fails is left out until a later sync reaches it, and when all fail the run stops."""
         unreachable = self._check_reachable()
-        path = self.weights.write(model)
         payload = {"model_path": str(path), "weight_version": str(version)}
         results = self.pool.broadcast("/update_weights_from_disk", payload, self.sync_timeout)
         results.update(unreachable)
