@@ -198,11 +198,6 @@ class RunConfig:
                 "--rollout-engine vllm is not supported under torchrun yet; use --rollout-engine "
                 "sglang (SGLang servers or `mileage serve`) or local"
             )
-        if env.world_size() > 1 and self.engine.rollout_weight_sync == "broadcast":
-            raise UserError(
-                "--rollout-weight-sync broadcast is not supported under torchrun yet (the weights "
-                "are sharded over the ranks); use --rollout-weight-sync disk"
-            )
         if env.world_size() > 1 and self.algo.advantage_estimator == "ppo":
             raise UserError(
                 "--advantage-estimator ppo (a critic) is not supported under torchrun yet"

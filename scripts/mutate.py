@@ -593,6 +593,16 @@ MUTANTS = [
             "tests/test_distributed_remote.py::test_n2_through_servers_learns_and_the_servers_follow_the_weights",
         ),
     ),
+    Mutant(
+        "n2-broadcast-sends-shards",
+        "under torchrun, broadcast sync sends each rank-0 shard instead of the gathered tensor",
+        "mileage/distributed/remote.py",
+        "            bucket = {n: full_value(tensors[n].detach()) for n in names}  # all ranks",
+        "            bucket = {n: tensors[n].detach() for n in names}  # all ranks",
+        (
+            "tests/test_distributed_remote.py::test_n2_broadcast_from_the_shards_in_buckets_equals_the_disk_synced_run",
+        ),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)

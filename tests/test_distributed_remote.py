@@ -6,12 +6,15 @@ full copy of the model for generation.
 It shows: the run learns and the servers follow every update (the trainer's recomputed
 log-probs match the servers' to float rounding); rollout 0 draws the samples a single process
 draws through the same servers (row seeds); a run killed on either rank, including after the
-servers got weights no checkpoint holds, resumes to the uninterrupted run in every tensor.
+servers got weights no checkpoint holds, resumes to the uninterrupted run in every tensor; and
+`--rollout-weight-sync broadcast` from the shards, in several buckets, equals the disk-synced
+run bit for bit.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 
 import pytest
@@ -113,3 +116,24 @@ def test_n2_kills_resume_to_the_uninterrupted_run(reference, servers, tmp_path):
     strip = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(save)]
     again = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(killed)]
     assert strip == again
+
+
+def test_n2_broadcast_from_the_shards_in_buckets_equals_the_disk_synced_run(
+    reference, servers, builtin_model, tmp_path
+):
+    from mileage.models.hf import load_causal_lm
+
+    save, disk = tmp_path / "broadcast", tmp_path / "weights"
+    model_bytes = sum(t.numel() * 4 for t in load_causal_lm(builtin_model).state_dict().values())
+    args = [*args_for(servers, 2), "--rollout-weight-sync", "broadcast",
+            "--rollout-weights-dir", str(disk), "--update-weight-buffer-size", str(model_bytes // 3)]  # fmt: skip
+    done = run_uninterrupted(args, save, nproc=NPROC, env=torchrun_env(), timeout=600)
+    buckets = re.search(r"weights by broadcast in (\d+) bucket\(s\) .* gathered from the shards",
+                        done.stdout)  # fmt: skip
+    assert buckets and int(buckets.group(1)) >= 3, done.stdout
+    assert not disk.exists() or not any(disk.iterdir())  # nothing went through the disk
+    assert compare_runs(reference[0], save) == []
+    strip = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(save)]
+    disk_synced = [{k: v for k, v in r.items() if k not in TIMING_KEYS}
+                   for r in read_metrics(reference[0])]  # fmt: skip
+    assert strip == disk_synced

@@ -244,26 +244,17 @@ def test_many_requests_in_flight_give_the_same_samples_in_order(fakes):
 # --- under torchrun ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        ([], None),  # SGLang servers or mileage serve, weights through the disk: runs
-        (["--rollout-weight-sync", "broadcast"], "use --rollout-weight-sync disk"),
-    ],
-)
-def test_torchrun_takes_sglang_with_disk_sync_and_refuses_broadcast(monkeypatch, extra, message):
+@pytest.mark.parametrize("sync", ["disk", "broadcast"])
+def test_torchrun_takes_sglang_with_either_weight_sync(monkeypatch, sync):
     from mileage.cli.main import build_parser
     from mileage.run_config import RunConfig
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = ["train", "--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9",
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", *extra]  # fmt: skip
-    parsed = build_parser().parse_args(args)
-    if message is None:
-        RunConfig.from_args(parsed)
-        return
-    with pytest.raises(UserError, match=message):
-        RunConfig.from_args(parsed)
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+            "--rollout-weight-sync", sync]  # fmt: skip
+    cfg = RunConfig.from_args(build_parser().parse_args(args))
+    assert cfg.engine.rollout_weight_sync == sync
 
 
 def test_torchrun_refuses_vllm_naming_what_works(monkeypatch):

@@ -8,6 +8,9 @@ Rank 0 talks to the servers; every rank gets the completions:
   value, one tensor at a time; rank 0 alone keeps them (on the CPU), writes the HF directory the
   servers reload (`config.json` + `model.safetensors`, staged then renamed) and asks the servers
   to load it. No rank holds a second full model for generation.
+- `--rollout-weight-sync broadcast`: bucket by bucket, every rank gathers the bucket's tensors
+  from the shards and rank 0 casts them to the servers' dtype and broadcasts them to the servers
+  (SGLang's update_weights_from_distributed); at most one bucket of full tensors at a time.
 - A `UserError` on rank 0 (every server failed, a server ignores seeds, ...) reaches every rank
   through the same broadcast, so all ranks stop with the same one line instead of hanging.
 """
@@ -82,6 +85,7 @@ class RemoteEngineOnRank0:
     in_process = False  # the trainer recomputes the log-probs (logprob_abs_diff)
 
     def __init__(self, engine):
+        self.by_broadcast = getattr(engine, "broadcast", None) is not None
         # the other ranks never talk to the servers: their copy of the engine is closed now
         if not env.is_main():
             engine.close()
@@ -89,6 +93,10 @@ class RemoteEngineOnRank0:
         self.weight_version = -1
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
+        if self.by_broadcast:
+            self._broadcast(model, version)
+            self.weight_version = version
+            return
         tensors = gather_full_weights(model)  # all ranks
         config = model.config
 
@@ -98,6 +106,38 @@ class RemoteEngineOnRank0:
 
         _on_rank0(load)
         self.weight_version = version
+
+    def _broadcast(self, model: torch.nn.Module, version: int) -> None:
+        """--rollout-weight-sync broadcast from the shards: rank 0 plans the buckets (forming the
+        group at the first sync); then per bucket every rank takes part in gathering its
+        tensors' full values, and rank 0 casts and sends them. After a failure rank 0 still
+        gathers the remaining buckets with the others (sending nothing), so no rank is left
+        waiting in a collective, and then every rank stops with its line."""
+        first = self.engine is not None and self.engine.broadcast.group is None
+        buckets = _on_rank0(lambda: self.engine.broadcast.plan(model))
+        tensors = model_tensors(model)
+        error = None
+        for index, names in enumerate(buckets):
+            bucket = {n: full_value(tensors[n].detach()) for n in names}  # all ranks
+            if env.is_main() and error is None:
+                try:
+                    self.engine.broadcast.send_bucket(bucket, version, index, len(buckets))
+                except UserError as exc:
+                    error = str(exc)
+            del bucket
+        if env.is_main() and error is None:
+            sender = self.engine.broadcast
+            sender.last_buckets = len(buckets)
+            self.engine.weight_version = version
+            if first:
+                self.engine.log(
+                    f"sglang rollout: weights by broadcast in {len(buckets)} bucket(s) of at most "
+                    f"{sender.buffer_size} bytes, as {str(sender.dtype).removeprefix('torch.')}, "
+                    "gathered from the shards"
+                )
+        error = env.broadcast_object(error)
+        if error is not None:
+            raise UserError(error)
 
     def generate(
         self,

@@ -61,10 +61,12 @@ def join_group(
     from torch.distributed import distributed_c10d as c10d
 
     limit = timedelta(seconds=timeout)
-    store, _, _ = next(
-        c10d.rendezvous(f"tcp://{address}:{port}", rank=rank, world_size=world_size, timeout=limit)
+    # the store itself, not c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE) the
+    # rendezvous handler makes every rank a client of the agent's store, so rank 0 would not
+    # host this group's store and the servers would wait for it in vain
+    store = dist.TCPStore(
+        address, port, world_size, is_master=rank == 0, timeout=limit, wait_for_workers=False
     )
-    store.set_timeout(limit)
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], backend, store, group_name=group_name, timeout=limit
     )
@@ -206,33 +208,44 @@ class BroadcastWeights:
             ) from None
         self._results(futures, "joining the weight-update group")
 
-    def send(self, model: torch.nn.Module, version: int) -> None:
+    def plan(self, model: torch.nn.Module) -> list[list[str]]:
+        """The tensor names of each bucket (forming the group at the first call). Sizes are in
+        the servers' dtype; a DTensor counts with its full size."""
         if self.group is None:
             self.connect(model)
-        tensors = model_tensors(model)
         itemsize = self.dtype.itemsize
-        sizes = {name: t.numel() * itemsize for name, t in tensors.items()}
-        buckets = plan_buckets(sizes, self.buffer_size)
+        sizes = {name: t.numel() * itemsize for name, t in model_tensors(model).items()}
+        return plan_buckets(sizes, self.buffer_size)
+
+    def send_bucket(
+        self, tensors: dict[str, torch.Tensor], version: int, index: int, count: int
+    ) -> None:
+        """Bucket `index` of `count`: cast to the servers' dtype, announce, broadcast, wait."""
+        last = index == count - 1
+        bucket = {n: t.detach().to(self.dtype).contiguous() for n, t in tensors.items()}
+        futures = self._posts(
+            "/update_weights_from_distributed",
+            dict.fromkeys(self.pool.urls, update_request(bucket, version, last)),
+        )
+        try:
+            for tensor in bucket.values():
+                dist.broadcast(tensor, src=0, group=self.group)
+        except (RuntimeError, OSError) as exc:
+            raise UserError(
+                f"sglang rollout: broadcasting the weights of version {version} failed "
+                f"(bucket {index + 1} of {count}: {exc}); the last checkpoint is "
+                "untouched: rerun the same command once the servers are healthy"
+            ) from None
+        self._results(
+            futures, f"loading the weights of version {version} (bucket {index + 1}/{count})"
+        )
+
+    def send(self, model: torch.nn.Module, version: int) -> None:
+        buckets = self.plan(model)
+        tensors = model_tensors(model)
         for index, names in enumerate(buckets):
-            last = index == len(buckets) - 1
-            # cast and copy one bucket at a time: at most one bucket beside the model
-            bucket = {n: tensors[n].detach().to(self.dtype).contiguous() for n in names}
-            futures = self._posts(
-                "/update_weights_from_distributed",
-                dict.fromkeys(self.pool.urls, update_request(bucket, version, last)),
-            )
-            try:
-                for tensor in bucket.values():
-                    dist.broadcast(tensor, src=0, group=self.group)
-            except (RuntimeError, OSError) as exc:
-                raise UserError(
-                    f"sglang rollout: broadcasting the weights of version {version} failed "
-                    f"(bucket {index + 1} of {len(buckets)}: {exc}); the last checkpoint is "
-                    "untouched: rerun the same command once the servers are healthy"
-                ) from None
-            what = f"loading the weights of version {version} (bucket {index + 1}/{len(buckets)})"
-            self._results(futures, what)
-            del bucket
+            # one bucket at a time: at most one cast bucket beside the model
+            self.send_bucket({n: tensors[n] for n in names}, version, index, len(buckets))
         self.last_buckets = len(buckets)
 
     def close(self) -> None:
