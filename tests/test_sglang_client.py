@@ -265,3 +265,12 @@ def test_torchrun_refuses_vllm_naming_what_works(monkeypatch):
     parsed = build_parser().parse_args(["train", "--rollout-engine", "vllm"])
     with pytest.raises(UserError, match="use --rollout-engine sglang .* or local"):
         RunConfig.from_args(parsed)
+
+
+@pytest.mark.parametrize("flag", ["--update-weight-buffer-size", "--sglang-server-concurrency"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_new_counts_must_be_positive(flag, value, tiny_hf, capsys, mileage_home):
+    args = ["--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9", flag, value]
+    code = main(["train", *fast_train_args(tiny_hf, *args, "--num-rollout", "1")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"mileage: error: {flag} must be positive, got {value}\n"
