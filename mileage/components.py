@@ -43,6 +43,7 @@ from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
 from mileage.distributed.checkpoint import ShardedCheckpointWriter, rng_of_this_rank
 from mileage.distributed.parallelize import shard_run_models
+from mileage.distributed.remote import RemoteEngineOnRank0
 from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.errors import UserError
 from mileage.metrics import MetricsLog
@@ -200,7 +201,7 @@ class Run:
 
     @property
     def device(self) -> torch.device:
-        """Where the policy trains: the rank's GPU under NCCL, else the CPU."""
+        """Where the policy trains: this rank's GPU when --device allows it, else the CPU."""
         return next(self.model.parameters()).device
 
 
@@ -249,15 +250,29 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         ref_path, ref_fmt = reference_source(flags, gather_disk_state(flags, None))
         reference = _load_weights(ref_path, ref_fmt, config_dir).requires_grad_(False)
         log(f"reference model: {ref_path} ({ref_fmt})")
+    if not env.is_distributed():
+        # one process: the GPU whenever --device allows it (torchrun ranks move in shard_model)
+        model.to(env.device())
+        if reference is not None:
+            reference.to(env.device())
     eos = tokenizer.eos_token_id
     engine = None
     if not cfg.rollout.load_debug_rollout_data:
         engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
     if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
-        model, reference, generation_copy = shard_run_models(model, reference, cfg.parallel)
-        if engine is not None:
+        local = engine is not None and engine.in_process
+        model, reference, generation_copy = shard_run_models(
+            model, reference, cfg.parallel, generation_copy=local
+        )
+        if engine is not None and not local:  # rank 0 drives the servers, no copy is kept
+            engine = RemoteEngineOnRank0(engine)
+        elif engine is not None:
             engine.model = generation_copy
-            engine = ShardedGenerationEngine(engine, cfg.rollout.n_samples_per_prompt)
+            engine = ShardedGenerationEngine(
+                engine,
+                cfg.rollout.n_samples_per_prompt,
+                loss_precision_matches=cfg.parallel.fsdp_mixed_precision == "none",
+            )
     optimizer = build_optimizer(model, cfg.optim)
     steps_per_rollout = (
         cfg.rollout.samples_per_rollout // cfg.algo.batch_sizes(cfg.rollout.samples_per_rollout)[0]

@@ -94,7 +94,7 @@ SECTIONS = (
     ("critic", CriticConfig, "PPO critic"),
     ("optim", OptimConfig, "optimizer"),
     ("loop", LoopConfig, "loop"),
-    ("parallel", ParallelConfig, "distributed (torchrun)"),
+    ("parallel", ParallelConfig, "device and distributed (torchrun)"),
     ("tracking", TrackingConfig, "tracking"),
 )
 
@@ -193,10 +193,10 @@ class RunConfig:
         self.algo.validate(r.n_samples_per_prompt)
         self.critic.validate(self.algo.advantage_estimator)
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
-        if env.world_size() > 1 and self.engine.rollout_engine != "local":
+        if env.world_size() > 1 and self.engine.rollout_engine == "vllm":
             raise UserError(
-                f"--rollout-engine {self.engine.rollout_engine} is not supported under torchrun "
-                "yet; each rank generates with the in-process engine (--rollout-engine local)"
+                "--rollout-engine vllm is not supported under torchrun yet; use --rollout-engine "
+                "sglang (SGLang servers or `mileage serve`) or local"
             )
         if env.world_size() > 1 and self.algo.advantage_estimator == "ppo":
             raise UserError(

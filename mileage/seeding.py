@@ -57,20 +57,43 @@ def overwritten_allocations() -> Iterator[None]:
         torch.utils.deterministic.fill_uninitialized_memory = previous
 
 
+# the CUDA generator of this process's current device (each torchrun rank has its own, and its
+# own entry in the checkpoint: distributed/checkpoint.py prefixes other ranks' keys)
+CUDA_KEY = "torch_cuda"
+# checkpoints written before then hold every visible device's state as torch_cuda_<index>
+_LEGACY_CUDA_PREFIX = "torch_cuda_"
+
+
 def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, json-able) views of the global RNG states."""
+    """(tensors, json-able) views of the global RNG states: the CPU's, Python's and, when CUDA is
+    visible, the current device's only, so that a resume on a machine showing fewer (or other)
+    GPUs restores what this process used."""
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = state
+        tensors[CUDA_KEY] = torch.cuda.get_rng_state(torch.cuda.current_device())
     version, internal, gauss = random.getstate()
     return tensors, {"python": [version, list(internal), gauss]}
 
 
+def _cuda_state(tensors: dict[str, torch.Tensor], device: int) -> torch.Tensor | None:
+    """The saved state for CUDA device `device`: the current-device entry, or from an older
+    checkpoint the entry of that index (by number: torch_cuda_10 comes after torch_cuda_2)."""
+    if CUDA_KEY in tensors:
+        return tensors[CUDA_KEY]
+    legacy = {
+        int(k[len(_LEGACY_CUDA_PREFIX) :]): v
+        for k, v in tensors.items()
+        if k.startswith(_LEGACY_CUDA_PREFIX) and k[len(_LEGACY_CUDA_PREFIX) :].isdigit()
+    }
+    return legacy.get(device)
+
+
 def restore_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        state = _cuda_state(tensors, device)
+        if state is not None:  # a checkpoint from a CPU run has none: nothing to restore
+            torch.cuda.set_rng_state(state, device)
     version, internal, gauss = plain["python"]
     random.setstate((version, tuple(internal), gauss))

@@ -11,12 +11,16 @@ Endpoints (the SGLang request and reply shapes, the subset mileage uses):
   `completion_tokens` and `weight_version`.
 - `POST /update_weights_from_disk`: `model_path` (an HF directory), optional `weight_version`;
   replies `{"success", "message", "num_paused_requests"}`.
-- `GET /get_server_info`: `tp_size` (1) and `weight_version`.
+- `GET /get_server_info`: SGLang's fields that clients read: `tp_size`, `pp_size`, `dp_size`
+  (1 each), `dtype` (the weights'), `enable_deterministic_inference` (true: seeds are honoured),
+  `model_path`, `weight_version`.
 - `POST /init_weights_update_group` (`master_address`, `master_port`, `rank_offset`,
   `world_size`, `group_name`, `backend`) and `POST /update_weights_from_distributed` (`names`,
   `dtypes`, `shapes`, `group_name`, optional `weight_version`): SGLang's weight transfer over a
   collective, with gloo (this server runs on the CPU); `--rollout-weight-sync broadcast` uses
-  them (`mileage/rollout/engines/broadcast.py`).
+  them (`mileage/rollout/engines/broadcast.py`). An update may take several calls (buckets);
+  each loads its tensors, and the call with a `weight_version` ends the update: it is refused
+  unless every tensor of the model arrived since the last completed update.
 
 Requests run one at a time, with a fixed thread count and deterministic algorithms, and a row
 with a `sampling_seed` draws from its own generator seeded with it: its sample is a function of
@@ -65,6 +69,7 @@ class EngineServer:
         self.model_config = self.engine.model.config.to_dict()
         self.generate_count = 0
         self.groups: dict = {}  # weight-update process groups by name
+        self.pending: set[str] = set()  # tensors of an update whose last bucket is still to come
         kind, _, count = os.environ.get("MILEAGE_SERVE_FAULT", "").partition(":")
         self.fault = (kind, int(count)) if kind else None
 
@@ -88,7 +93,20 @@ class EngineServer:
         }
 
     def server_info(self) -> dict:
-        return {"tp_size": 1, "dp_size": 1, "weight_version": self.weight_version}
+        """SGLang's fields that clients read: one worker, the weights' dtype, and seeds that are
+        honoured (a row's sample is a function of its seed; SGLang needs
+        --enable-deterministic-inference for that)."""
+        dtype = next(self.engine.model.parameters()).dtype
+        return {
+            "model_path": self.model_path,
+            "tp_size": 1,
+            "pp_size": 1,
+            "dp_size": 1,
+            "dtype": str(dtype).removeprefix("torch."),
+            "enable_deterministic_inference": True,
+            "weight_version": self.weight_version,
+            "version": "mileage-serve",
+        }
 
     def init_weights_update_group(self, body: dict) -> dict:
         from mileage.rollout.engines.broadcast import join_group
@@ -134,14 +152,22 @@ class EngineServer:
                 for name, value in received.items()
                 if name in params and params[name].shape != value.shape
             ]
-            missing = sorted(set(model_tensors(self.engine.model)) - set(received))
-            problems += [f"{name}: not sent" for name in missing]
+            # an update may come in several calls (buckets), as SGLang allows: each call loads
+            # its tensors; the one with a weight_version ends the update, and must complete it
+            done = body.get("weight_version") is not None
+            if done:
+                arrived = self.pending | set(received)
+                missing = sorted(set(model_tensors(self.engine.model)) - arrived)
+                problems += [f"{name}: not sent" for name in missing]
             if problems:
+                self.pending.clear()  # the update failed: the next starts from scratch
                 return {"success": False, "message": "; ".join(problems[:3])}
             with torch.no_grad():
                 for name, value in received.items():
-                    params[name].copy_(value)
-            if body.get("weight_version") is not None:
+                    params[name].copy_(value)  # casts to the model's dtype, as SGLang loads
+            self.pending |= set(received)
+            if done:
+                self.pending.clear()
                 self.weight_version = str(body["weight_version"])
         return {"success": True, "message": f"loaded {len(received)} tensors"}
 
@@ -304,11 +330,17 @@ def make_handler(server: EngineServer):
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    # the stdlib's listen backlog is 5; a client with --sglang-server-concurrency 64 opens that
+    # many connections at once, and connections past the backlog can be reset (seen here)
+    request_queue_size = 1024
+
+
 def serve(hf_checkpoint: str, host: str, port: int, num_threads: int) -> int:
     configure_determinism(0, num_threads)
     engine = EngineServer(hf_checkpoint)
     try:
-        httpd = ThreadingHTTPServer((host, port), make_handler(engine))
+        httpd = Server((host, port), make_handler(engine))
     except OSError as exc:
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     httpd.daemon_threads = True

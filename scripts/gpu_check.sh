@@ -16,9 +16,58 @@ rm -rf "$OUT"
 ARGS=(--rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 16 --eval-interval 0
       --num-threads 1 --save "$OUT/run" --load "$OUT/run" --save-interval 1)
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+# a 1-GPU run must train on the GPU: the parameters, the batch and the optimizer state (and the
+# reference's parameters, with a KL loss) are checked to live there; exit 1 if any is on the CPU
+echo "== 1 rank, --device cuda: where the tensors live"
+$PY scripts/gpu_devices.py --expect cuda -- "${ARGS[@]/$OUT\/run/$OUT/devices}" --num-rollout 1 \
+    --device cuda --use-kl-loss --kl-loss-coef 0.01
+echo "proved: one process trains on cuda (parameters, batch, optimizer state, reference)"
+if [ "$NPROC" -ge 2 ]; then
+  echo "== 2 ranks, NCCL: where each rank's shards live"
+  $PY -m torch.distributed.run --nproc-per-node 2 --standalone scripts/gpu_devices.py \
+      --expect cuda -- "${ARGS[@]/$OUT\/run/$OUT/devices2}" --num-rollout 1
+  echo "proved: each torchrun rank trains its shards on its own GPU"
+fi
 echo "== $NPROC rank(s), NCCL if 2"
 $PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone -m mileage train "${ARGS[@]}" --num-rollout 3
 $PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone -m mileage train "${ARGS[@]}" --num-rollout 5
 $PY -m mileage ckpt verify "$OUT/run"
 $PY -m mileage ckpt ls "$OUT/run"
+echo "proved: $NPROC rank(s) train, save and resume on the GPU"
+
+# Rollout servers on the GPU, when their packages are installed in this Python (SGLANG_PYTHON /
+# VLLM_PYTHON may name other environments). Written for a GPU machine; not run yet.
+MODEL=$($PY -c 'from mileage.models.tiny import builtin_model_dir; print(builtin_model_dir("addition"))')
+SPY=${SGLANG_PYTHON:-$PY}
+if $SPY -c 'import sglang' 2>/dev/null; then
+  echo "== SGLang on the GPU (--enable-deterministic-inference): disk sync, then broadcast in buckets"
+  PORT=30017
+  $SPY -m sglang.launch_server --model-path "$MODEL" --port "$PORT" --skip-tokenizer-init \
+      --enable-deterministic-inference --mem-fraction-static 0.3 > "$OUT/sglang.log" 2>&1 &
+  SPID=$!
+  trap 'kill $SPID 2>/dev/null || true' EXIT
+  for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 2; done
+  SARGS=(--rollout-engine sglang --rollout-url "http://127.0.0.1:$PORT" --num-rollout 2
+         --rollout-batch-size 8 --n-samples-per-prompt 4 --eval-interval 0 --num-threads 1)
+  $PY -m mileage train "${SARGS[@]}" --save "$OUT/sglang_disk"
+  $PY -m mileage train "${SARGS[@]}" --save "$OUT/sglang_bcast" --rollout-weight-sync broadcast \
+      --update-weight-buffer-size 4000000 | tee "$OUT/sglang_bcast.log"
+  grep -q "weights by broadcast in [2-9][0-9]* bucket" "$OUT/sglang_bcast.log"
+  $PY -m mileage plot "$OUT/sglang_disk" >/dev/null
+  grep -o '"logprob_abs_diff": [0-9.e-]*' "$OUT/sglang_disk/metrics.jsonl" "$OUT/sglang_bcast/metrics.jsonl"
+  kill "$SPID"; trap - EXIT
+  echo "proved: SGLang honours seeds (the run was not refused), loads weights from disk and by broadcast in buckets"
+else
+  echo "== SGLang not installed in $SPY: skipped"
+fi
+VPY=${VLLM_PYTHON:-$PY}
+if $VPY -c 'import vllm' 2>/dev/null; then
+  echo "== vLLM launched by mileage on the GPU (no CPU-only launch flags)"
+  $PY -m mileage train --rollout-engine vllm --vllm-python "$VPY" --num-rollout 2 \
+      --rollout-batch-size 8 --n-samples-per-prompt 4 --eval-interval 0 --num-threads 1 \
+      --save "$OUT/vllm" --vllm-args "--gpu-memory-utilization 0.3"
+  echo "proved: vLLM on the GPU reloads the trained weights each rollout"
+else
+  echo "== vLLM not installed in $VPY: skipped"
+fi
 echo "gpu_check: OK"

@@ -61,6 +61,11 @@ README_TEST = "tests/test_readme.py"
 README_SAMPLE = (
     f"{README_TEST}::test_rollout_lines_have_the_fields_and_formats_of_the_readme_sample"
 )
+DEVICE = "tests/test_device.py"
+RNG_CUDA = "tests/test_rng_cuda.py"
+SGLANG_CLIENT = "tests/test_sglang_client.py"
+VLLM_CLIENT = "tests/test_vllm_client.py"
+BROADCAST_E2E = f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk"
 
 
 @dataclass(frozen=True)
@@ -336,7 +341,7 @@ MUTANTS = [
         "broadcast-weights-not-loaded",
         "mileage serve receives broadcast weights but does not load them",
         "mileage/serve.py",
-        "                    params[name].copy_(value)\n",
+        "                    params[name].copy_(value)  # casts to the model's dtype, as SGLang loads\n",
         "                    pass\n",
         (f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk",),
     ),
@@ -716,6 +721,154 @@ MUTANTS = [
         '    seed: int = option(1234, "seed for sampling, shuffling and initialisation", '
         'flag="--random-seed")\n',
         (f"{README_TEST}::test_flags_at_a_glance_are_in_train_help_with_their_choices",),
+    ),
+    Mutant(
+        "gpu-only-under-torchrun",
+        "CUDA is used only at a world size above 1 (a single GPU trains on the CPU)",
+        "mileage/distributed/env.py",
+        'if choice != "cpu" and torch.cuda.is_available():',
+        'if choice != "cpu" and torch.cuda.is_available() and world_size() > 1:',
+        (DEVICE,),
+    ),
+    Mutant(
+        "cuda-rng-of-device-0",
+        "the CUDA RNG of device 0 is saved and restored, not the current device's",
+        "mileage/seeding.py",
+        "        device = torch.cuda.current_device()\n",
+        "        device = 0\n",
+        (RNG_CUDA,),
+    ),
+    Mutant(
+        "cuda-rng-text-order",
+        "an older checkpoint's CUDA states are taken in text order (torch_cuda_10 before _2)",
+        "mileage/seeding.py",
+        "    return legacy.get(device)",
+        "    return dict(enumerate(legacy[k] for k in sorted(map(str, legacy)))).get(device)",
+        (RNG_CUDA,),
+    ),
+    Mutant(
+        "row-seed-63-bits",
+        "remote row seeds keep 63 bits (an int32 seed tensor in SGLang overflows)",
+        "mileage/rollout/engines/base.py",
+        '/sample", row) & ROW_SEED_MASK',
+        '/sample", row)',
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "seed-check-skipped",
+        "a server started without --enable-deterministic-inference is used silently",
+        "mileage/rollout/engines/server_info.py",
+        "    ignoring = [i.url for i in infos if not i.deterministic]",
+        "    ignoring = []",
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "group-counts-tp-only",
+        "the weight-update group counts tp_size ranks per server (dp/pp > 1 hangs)",
+        "mileage/rollout/engines/server_info.py",
+        '    workers = _positive(info, "tp_size") * _positive(info, "pp_size") * _positive(info, "dp_size")',
+        '    workers = _positive(info, "tp_size")',
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "bucket-over-limit",
+        "a bucket takes one tensor past --update-weight-buffer-size",
+        "mileage/rollout/engines/broadcast.py",
+        "        if current and used + size > limit:",
+        "        if current and used > limit:",
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "weights-sent-in-fp32",
+        "broadcast sync sends the trainer's dtype, not the servers'",
+        "mileage/rollout/engines/broadcast.py",
+        "bucket = {n: t.detach().to(self.dtype).contiguous() for n, t in tensors.items()}",
+        "bucket = {n: t.detach().contiguous() for n, t in tensors.items()}",
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "every-bucket-labels-version",
+        "every bucket carries the weight version (a half-updated server claims the new one)",
+        "mileage/rollout/engines/broadcast.py",
+        '    if last:\n        request["weight_version"] = str(version)',
+        '    request["weight_version"] = str(version)',
+        (
+            SGLANG_CLIENT,
+            f"{SERVE}::test_broadcast_in_buckets_loads_every_tensor_and_a_short_update_is_refused",
+        ),
+    ),
+    Mutant(
+        "serve-refuses-partial-buckets",
+        "mileage serve refuses a bucket that is not the whole model",
+        "mileage/serve.py",
+        "            if done:\n                arrived = self.pending | set(received)",
+        "            if True:\n                arrived = self.pending | set(received)",
+        (
+            f"{SERVE}::test_broadcast_in_buckets_loads_every_tensor_and_a_short_update_is_refused",
+            BROADCAST_E2E,
+        ),
+    ),
+    Mutant(
+        "one-request-in-flight",
+        "--sglang-server-concurrency is ignored: one request in flight per server",
+        "mileage/rollout/engines/sglang.py",
+        "        self.pool.in_flight = concurrency",
+        "        self.pool.in_flight = 1",
+        (SGLANG_CLIENT,),
+    ),
+    Mutant(
+        "empty-reply-is-bad",
+        "an empty 2xx body (vLLM < 0.32's /reset_prefix_cache) is a bad reply",
+        "mileage/rollout/engines/http.py",
+        "    if not body.strip():\n",
+        "    if not body.strip() and False:\n",
+        (VLLM_CLIENT,),
+    ),
+    Mutant(
+        "old-vllm-retried",
+        "a vLLM without the 0.32 endpoints is treated as a failed sync, not named",
+        "mileage/rollout/engines/vllm.py",
+        "            on_failure=lambda url, endpoint, why: check_server_api(\n"
+        "                url, endpoint, why, self.sync_timeout\n"
+        "            ),\n",
+        "",
+        (VLLM_CLIENT,),
+    ),
+    Mutant(
+        "cpu-flags-on-gpu",
+        "the CPU launch flags are given on a GPU too",
+        "mileage/rollout/engines/vllm.py",
+        "    for flag, value in defaults if on_cpu else LAUNCH_DEFAULTS:",
+        "    for flag, value in defaults:",
+        (VLLM_CLIENT,),
+    ),
+    Mutant(
+        "bf16-old-logprobs-from-fp32-copy",
+        "under --fsdp-mixed-precision bf16 the fp32 generation copy's log-probs are the old policy",
+        "mileage/distributed/rollout.py",
+        "        self.in_process = loss_precision_matches\n",
+        "        self.in_process = True\n",
+        ("tests/test_mixed_precision_logprobs.py",),
+    ),
+    Mutant(
+        "n2-servers-miss-the-weights",
+        "under torchrun the servers are never given the trained weights",
+        "mileage/distributed/remote.py",
+        "            self.engine.load_weights_from(path, version)\n",
+        "            self.engine.weight_version = version\n",
+        (
+            "tests/test_distributed_remote.py::test_n2_through_servers_learns_and_the_servers_follow_the_weights",
+        ),
+    ),
+    Mutant(
+        "n2-broadcast-sends-shards",
+        "under torchrun, broadcast sync sends each rank-0 shard instead of the gathered tensor",
+        "mileage/distributed/remote.py",
+        "            bucket = {n: full_value(tensors[n].detach()) for n in names}  # all ranks",
+        "            bucket = {n: tensors[n].detach() for n in names}  # all ranks",
+        (
+            "tests/test_distributed_remote.py::test_n2_broadcast_from_the_shards_in_buckets_equals_the_disk_synced_run",
+        ),
     ),
 ]
 

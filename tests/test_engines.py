@@ -11,6 +11,7 @@ once for the module; each run syncs its own weights to them when it starts.
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -156,11 +157,16 @@ def test_one_server_draws_the_samples_of_two(reference, servers, builtin_model, 
 def test_weights_by_broadcast_equal_weights_from_disk(reference, servers, builtin_model, tmp_path):
     """--rollout-weight-sync broadcast: both servers join one gloo group with the trainer (SGLang's
     init_weights_update_group) and receive every update by broadcast (update_weights_from_
-    distributed). The run equals the disk-synced reference bit for bit, and the servers end on
-    the trained weights."""
+    distributed) in buckets of --update-weight-buffer-size bytes (here a third of the model, so
+    every update takes several calls). The run equals the disk-synced reference bit for bit,
+    and the servers end on the trained weights."""
     save, disk = tmp_path / "broadcast", tmp_path / "weights"
-    flags = ["--rollout-weight-sync", "broadcast", "--rollout-weights-dir", str(disk)]
-    run_uninterrupted(train_args(servers.urls, 2, *flags), save)
+    model_bytes = sum(t.numel() * 4 for t in load_causal_lm(builtin_model).state_dict().values())
+    flags = ["--rollout-weight-sync", "broadcast", "--rollout-weights-dir", str(disk),
+             "--update-weight-buffer-size", str(model_bytes // 3)]  # fmt: skip
+    done = run_uninterrupted(train_args(servers.urls, 2, *flags), save)
+    buckets = re.search(r"weights by broadcast in (\d+) bucket\(s\) .* as float32", done.stdout)
+    assert buckets and int(buckets.group(1)) >= 3, done.stdout
     assert not disk.exists() or not any(disk.iterdir())  # nothing went through the disk
     assert_learned(save, builtin_model)
     assert compare_runs(reference.save, save) == []

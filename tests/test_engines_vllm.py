@@ -81,8 +81,7 @@ class Handler(BaseHTTPRequestHandler):
             "logprobs": {"tokens": [f"token_id:{t}" for _, t, _ in pairs],
                          "token_logprobs": [lp for lp, _, _ in pairs]}}]})
 
-# 64 requests in flight (IN_FLIGHT): the default backlog of 5 resets connections under load
-ThreadingHTTPServer.request_queue_size = 128
+ThreadingHTTPServer.request_queue_size = 1024  # 64 connections at once; the default backlog is 5
 ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
 """
 

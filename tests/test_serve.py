@@ -128,3 +128,54 @@ def test_client_syncs_weights_and_refuses_stale_versions(server, tiny_hf, tmp_pa
     assert refused["success"] is False
     engine.close()
     assert not engine.weights.root.exists() or engine.weights.root == tmp_path / "w"
+
+
+def test_server_info_answers_what_the_sglang_client_reads(server):
+    from mileage.rollout.engines.http import get_json
+    from mileage.rollout.engines.server_info import parse_server_info
+
+    info = get_json(server.url + "/get_server_info", timeout=10)
+    parsed = parse_server_info(server.url, info)
+    assert (parsed.workers, parsed.dtype, parsed.deterministic) == (1, "float32", True)
+
+
+def test_broadcast_in_buckets_loads_every_tensor_and_a_short_update_is_refused(server, tiny_hf):
+    """Several calls of update_weights_from_distributed make one update: the server takes the
+    version only with the last, and a last call that leaves tensors out is refused."""
+    import torch.distributed as dist
+
+    from mileage.checkpoint.tensors import model_tensors
+    from mileage.rollout.engines.broadcast import update_request
+
+    model = load_causal_lm(tiny_hf)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.75)
+    total = sum(t.numel() * 4 for t in model_tensors(model).values())
+    engine = SGLangEngine([server.url], 64, timeout=30, attempts=2, sync_timeout=60,
+                          weights_dir=None, broadcast_from="127.0.0.1",
+                          buffer_size=total // 3 + 1)  # fmt: skip
+    try:
+        engine.update_weights(model, 11)
+        assert engine.broadcast.last_buckets >= 3
+        seed, params = SamplingSeed(1234, 0), SamplingParams(4, 1.0, 1.0)
+        served = engine.generate([PROMPT] * 2, params, seed, group_size=2)
+        local = LocalEngine(model, pad_id=0, eos_id=2).generate(
+            [PROMPT] * 2, params, [torch.Generator().manual_seed(seed.row_seed(r)) for r in (0, 1)]
+        )
+        assert [c.response_ids for c in served] == [c.response_ids for c in local]
+        assert [c.logprobs for c in served] == [c.logprobs for c in local]
+        # a "last" bucket with one tensor, when nothing else of the update came: refused
+        name, tensor = next(iter(model_tensors(model).items()))
+        sender = engine.broadcast
+        futures = sender._posts(
+            "/update_weights_from_distributed",
+            {server.url: update_request({name: tensor}, 12, last=True)},
+        )
+        dist.broadcast(tensor.detach().contiguous(), src=0, group=sender.group)
+        reply = futures[server.url].result(timeout=60)
+        assert reply["success"] is False and "not sent" in reply["message"]
+        with urllib.request.urlopen(server.url + "/get_model_info", timeout=10) as answer:
+            assert json.loads(answer.read())["weight_version"] == "11"
+    finally:
+        engine.close()

@@ -37,6 +37,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if not args.json and cfg.demo_note():
         print(cfg.demo_note())
     print(plan.to_json() if args.json else plan.describe())
+    if not args.json and cfg.engine.note():
+        print(cfg.engine.note())
     return 0
 
 

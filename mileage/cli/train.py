@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from mileage.checkpoint.plan import COMPLETE
 from mileage.checkpoint.store import remove_leftovers
 from mileage.components import build_run, preflight, with_recorded_model
@@ -15,6 +17,7 @@ from mileage.run_config import RunConfig
 
 def train_command(cfg: RunConfig) -> int:
     """Under torchrun every rank runs this; rank 0 prints, holds the lock and cleans up."""
+    env.request_device(cfg.parallel.device)
     with env.session():
         return _train(cfg)
 
@@ -30,6 +33,10 @@ def _train(cfg: RunConfig) -> int:
     for note in notes:
         progress.print(note)
     progress.print(plan.describe())
+    if cfg.engine.note():
+        progress.print(cfg.engine.note())
+    if env.device().type == "cuda":
+        progress.print(f"training on {env.device()} ({torch.cuda.get_device_name(env.device())})")
     save = cfg.checkpoint.save
     with save_dir_lock(save) as lock:
         if lock is not None and lock.previous_holder:

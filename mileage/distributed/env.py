@@ -1,8 +1,9 @@
 """The process group: set up from torchrun's environment, and small collectives on it.
 
 `torchrun --nproc-per-node N -m mileage train ...` sets RANK, WORLD_SIZE, LOCAL_RANK and the
-rendezvous address; `session()` joins the group (gloo on CPU, NCCL when CUDA is available) and
-leaves it at exit. Without torchrun, or with a world size of 1, nothing is initialised and every
+rendezvous address; `session()` joins the group (gloo on CPU, NCCL when the device is a GPU) and
+leaves it at exit. `--device` (`request_device`) chooses the device: CUDA whenever it is visible
+(`auto`, the default), at any world size, or the CPU. Without torchrun, or with a world size of 1, nothing is initialised and every
 helper here answers for a single process, so the single-process path stays as it was.
 """
 
@@ -18,7 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mileage.errors import UserError
 from mileage.parent_death import die_with_parent
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 # a collective that waits longer than this on a dead peer fails instead of hanging forever
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -50,11 +54,44 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def device() -> torch.device:
-    """This rank's device: its GPU under NCCL, else the CPU."""
-    if torch.cuda.is_available() and world_size() > 1:
-        return torch.device("cuda", local_rank())
+# what --device asked for; `request_device` sets it before the run is built
+_requested = "auto"
+
+
+def check_device_choice(choice: str) -> None:
+    """Refuse `--device cuda` where torch sees no GPU (one line, before anything runs)."""
+    if choice not in DEVICE_CHOICES:
+        raise UserError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {choice!r}")
+    if choice == "cuda" and not torch.cuda.is_available():
+        build = (
+            "a CPU-only build"
+            if torch.version.cuda is None
+            else f"built for CUDA {torch.version.cuda}"
+        )
+        raise UserError(
+            f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device; "
+            "use --device cpu, or --device auto to take a GPU only when one is visible"
+        )
+
+
+def resolve_device(choice: str, local: int) -> torch.device:
+    """The device `choice` means for the process of local rank `local`."""
+    if choice != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def request_device(choice: str) -> None:
+    """Make `device()` answer for `--device choice` from now on."""
+    global _requested
+    check_device_choice(choice)
+    _requested = choice
+
+
+def device() -> torch.device:
+    """This rank's device: its GPU (cuda:LOCAL_RANK) whenever CUDA is visible and --device is not
+    cpu, whatever the world size; else the CPU."""
+    return resolve_device(_requested, local_rank())
 
 
 def backend_for(dev: torch.device) -> str:

@@ -20,6 +20,12 @@ from mileage.errors import UserError
 
 @dataclass
 class ParallelConfig:
+    device: str = option(
+        "auto",
+        "where the trainer runs: auto (a GPU, cuda:LOCAL_RANK, whenever CUDA is visible, at any "
+        "world size; else the CPU), cpu, or cuda (refused when no GPU is visible)",
+        choices=env.DEVICE_CHOICES,
+    )
     fsdp_mixed_precision: str = option(
         "none",
         "under torchrun on GPUs: bf16 parameters in forward/backward, fp32 gradient reduction",
@@ -38,12 +44,12 @@ class ParallelConfig:
                 f"each process trains {per_rank} samples per step, which --micro-batch-size "
                 f"{micro_batch} does not divide"
             )
-        if self.fsdp_mixed_precision != "none" and (
-            world_size <= 1 or not torch.cuda.is_available()
-        ):
+        env.check_device_choice(self.device)
+        on_gpu = env.resolve_device(self.device, 0).type == "cuda"
+        if self.fsdp_mixed_precision != "none" and (world_size <= 1 or not on_gpu):
             raise UserError(
                 "--fsdp-mixed-precision bf16 needs GPUs under torchrun; this run is on CPU"
-                if not torch.cuda.is_available()
+                if not on_gpu
                 else "--fsdp-mixed-precision bf16 applies to FSDP, i.e. torchrun with more than one process"
             )
 
@@ -111,15 +117,20 @@ def shard_run_models(
     model: torch.nn.Module,
     reference: torch.nn.Module | None,
     cfg: ParallelConfig,
-) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module]:
-    """(sharded policy, sharded reference, plain full copy of the policy for generation).
+    generation_copy: bool = True,
+) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module | None]:
+    """(sharded policy, sharded reference, plain full copy of the policy for generation, or
+    None when `generation_copy` is False: a remote engine generates, nothing here decodes).
 
     The copy is taken before sharding, so it starts with exactly the loaded weights; after
     each update `copy_full_weights` refreshes it.
     """
     import copy
 
-    generation_copy = copy.deepcopy(model).requires_grad_(False).to(env.device())
+    if generation_copy:
+        generation_copy = copy.deepcopy(model).requires_grad_(False).to(env.device())
+    else:
+        generation_copy = None
     shard_model(model, cfg)
     if reference is not None:
         shard_model(reference, cfg)

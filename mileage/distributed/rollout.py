@@ -3,7 +3,9 @@ gather every completion, so advantages (computed on every rank) see whole groups
 
 The engine decodes with a plain, unsharded copy of the policy: `update_weights` all-gathers each
 sharded tensor into it once per rollout (`copy_full_weights`), so decoding needs no
-communication per token.
+communication per token. The copy holds fp32 weights; under `--fsdp-mixed-precision bf16` the
+loss computes in bf16, so the engine is then not `in_process`: the trainer recomputes the old
+log-probs with the sharded bf16 model (`mismatch.apply_mismatch`) and logs the difference.
 
 Sampled rollouts are split by group (the `n_samples_per_prompt` answers to one prompt). Each
 group draws from its own generator, seeded by the group's index from the rollout's generator,
@@ -25,11 +27,14 @@ from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
 class ShardedGenerationEngine:
     """The `Engine` interface over all ranks of the process group, around a `LocalEngine`."""
 
-    in_process = True  # the log-probs come from the trainer's own weights
-
-    def __init__(self, engine: LocalEngine, group_size: int):
+    def __init__(self, engine: LocalEngine, group_size: int, loss_precision_matches: bool = True):
         self.engine = engine  # holds the plain full-weight copy
         self.group_size = group_size
+        # True: the copy computes in the loss's precision, so its log-probs are the old policy's.
+        # With --fsdp-mixed-precision bf16 the loss runs in bf16 while the copy decodes in fp32:
+        # the trainer must recompute the old log-probs (and logs logprob_abs_diff), or the PPO
+        # ratio is not 1 at the first step of a rollout.
+        self.in_process = loss_precision_matches
 
     @property
     def weight_version(self) -> int:

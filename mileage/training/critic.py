@@ -97,6 +97,8 @@ class ValueModel(torch.nn.Module):
         gen = torch.Generator().manual_seed(derive_seed(seed, "value_head", 0))
         with torch.no_grad():
             self.value_head.weight.normal_(0.0, hidden**-0.5, generator=gen)
+        # drawn on the CPU (the same values on any device), then beside the body
+        self.value_head.to(next(self.body.parameters()).device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -204,6 +206,7 @@ def build_critic(
     model = ValueModel(body, seed).eval()
     if critic_from is not None:
         load_tensors(Path(critic_from) / CRITIC_DIR / MODEL_DIR, into=model_tensors(model))
+    model.to(next(actor_model.parameters()).device)  # the critic trains where the actor does
     lr = optim.lr if cfg.critic_lr is None else cfg.critic_lr
     return Critic(
         model,

@@ -24,6 +24,9 @@ from mileage.seeding import derive_seed, generator_for
 
 __all__ = ["Completion", "Engine", "SamplingParams", "SamplingSeed"]
 
+# remote row seeds fit a signed 32-bit integer
+ROW_SEED_MASK = (1 << 31) - 1
+
 
 @dataclass(frozen=True)
 class SamplingSeed:
@@ -37,8 +40,10 @@ class SamplingSeed:
         return generator_for(self.seed, "rollout", self.rollout_id)
 
     def row_seed(self, row: int) -> int:
-        """The seed of sample `row` of the rollout (remote engines: SGLang's `sampling_seed`)."""
-        return derive_seed(self.seed, f"rollout/{self.rollout_id}/sample", row)
+        """The seed of sample `row` of the rollout (remote engines: SGLang's `sampling_seed`,
+        vLLM's `seed`), keyed on (seed, rollout id, row). 31 bits: some SGLang builds keep
+        seeds in an int32 tensor, which a larger value overflows (the scheduler crashes)."""
+        return derive_seed(self.seed, f"rollout/{self.rollout_id}/sample", row) & ROW_SEED_MASK
 
 
 def check_sample(

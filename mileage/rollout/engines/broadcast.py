@@ -2,12 +2,16 @@
 
 SGLang's protocol (`--rollout-weight-sync broadcast`), the one miles and verl use on GPUs:
 1. once, `POST /init_weights_update_group` to every server with the trainer's address, a free
-   port, the world size (the trainer plus every server's workers, from `GET /get_server_info`'s
-   `tp_size`), each server's first rank and a group name; every server joins a process group
-   rendezvousing at that address while the trainer joins it as rank 0;
-2. per update, `POST /update_weights_from_distributed` with the tensors' names, dtypes and
-   shapes (and the weight version); each server then receives the tensors in that order from
-   rank 0, while the trainer broadcasts them.
+   port, the world size (the trainer plus every server's workers: tp_size * pp_size * dp_size
+   from `GET /get_server_info`), each server's first rank and a group name; every server joins
+   a process group rendezvousing at that address while the trainer joins it as rank 0;
+2. per update, the weights in buckets of at most `--update-weight-buffer-size` bytes (miles'
+   flag and default, 512 MiB), cast to the dtype the servers hold (`dtype` of
+   `/get_server_info`); per bucket `POST /update_weights_from_distributed` with its tensors'
+   names, dtypes and shapes, and each server receives them in that order from rank 0 while the
+   trainer broadcasts them. SGLang loads each call's tensors as they come (a call is a partial
+   update); only the last bucket carries the weight version and `flush_cache`, so a server
+   relabels its weights only once it has all of them.
 NCCL when the trainer's weights are on a GPU, gloo on the CPU: `mileage serve` implements the
 server side with gloo, so the path is tested on this machine end to end; on GPUs it is the same
 code with NCCL (docs/engines.md says what has been run where).
@@ -21,6 +25,7 @@ rerunning the command starts over from the last checkpoint with a new group.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -30,10 +35,13 @@ import torch.distributed as dist
 
 from mileage.errors import UserError
 from mileage.models.tensors import model_tensors
-from mileage.rollout.engines.http import BadReply, ServerPool, describe, get_json, post_json
+from mileage.rollout.engines.http import BadReply, ServerPool, describe, post_json
 from mileage.rollout.engines.launch import free_port
+from mileage.rollout.engines.server_info import ServerInfo, read_server_info, serving_dtype
 
 GROUP_NAME = "mileage_weights"
+# --update-weight-buffer-size's default: miles' (bytes per bucket)
+DEFAULT_BUFFER_SIZE = 512 * 1024**2
 
 
 def join_group(
@@ -53,10 +61,12 @@ def join_group(
     from torch.distributed import distributed_c10d as c10d
 
     limit = timedelta(seconds=timeout)
-    store, _, _ = next(
-        c10d.rendezvous(f"tcp://{address}:{port}", rank=rank, world_size=world_size, timeout=limit)
+    # the store itself, not c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE) the
+    # rendezvous handler makes every rank a client of the agent's store, so rank 0 would not
+    # host this group's store and the servers would wait for it in vain
+    store = dist.TCPStore(
+        address, port, world_size, is_master=rank == 0, timeout=limit, wait_for_workers=False
     )
-    store.set_timeout(limit)
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], backend, store, group_name=group_name, timeout=limit
     )
@@ -68,15 +78,40 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def update_request(tensors: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
-    return {
+def plan_buckets(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """Tensor names in order, cut into buckets of at most `limit` bytes each (a tensor larger
+    than `limit` alone in its own bucket): the server allocates a bucket's tensors before it
+    loads any, so the bucket bounds the memory an update takes on top of the model."""
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, size in sizes.items():
+        if current and used + size > limit:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def update_request(
+    tensors: dict[str, torch.Tensor], version: int, last: bool = True
+) -> dict[str, Any]:
+    """One bucket's `update_weights_from_distributed` body. Only the last bucket of an update
+    carries the weight version and flushes the cache: SGLang relabels its weights with every
+    call that has a version, and a server must not claim a version it got half of."""
+    request: dict[str, Any] = {
         "names": list(tensors),
         "dtypes": [dtype_name(t.dtype) for t in tensors.values()],
         "shapes": [list(t.shape) for t in tensors.values()],
         "group_name": GROUP_NAME,
-        "flush_cache": True,
-        "weight_version": str(version),
+        "flush_cache": last,
     }
+    if last:
+        request["weight_version"] = str(version)
+    return request
 
 
 def check_reply(reply: Any) -> None:
@@ -88,11 +123,22 @@ def check_reply(reply: Any) -> None:
 class BroadcastWeights:
     """The trainer's side: rank 0 of one group with every server's workers."""
 
-    def __init__(self, pool: ServerPool, sync_timeout: float, address: str):
+    def __init__(
+        self,
+        pool: ServerPool,
+        sync_timeout: float,
+        address: str,
+        buffer_size: int | None = None,
+        check: Callable[[list[ServerInfo]], None] | None = None,
+    ):
         self.pool = pool
         self.timeout = sync_timeout
         self.address = address
+        self.buffer_size = DEFAULT_BUFFER_SIZE if buffer_size is None else buffer_size
+        self.check = check  # what else the servers' /get_server_info must show (seeds)
         self.group: dist.ProcessGroup | None = None
+        self.dtype: torch.dtype | None = None  # the servers' weights' dtype, cast to on send
+        self.last_buckets = 0  # buckets of the last update (reported, and checked by tests)
 
     def _posts(self, path: str, payloads: dict[str, dict]) -> dict[str, Any]:
         """POST to every server at once (each reply comes only when the collective is done);
@@ -117,20 +163,31 @@ class BroadcastWeights:
                 "untouched: rerun the same command once the servers are healthy"
             )
 
-    def connect(self, device: torch.device) -> None:
-        sizes = {}
-        for url in self.pool.urls:
-            try:
-                info = get_json(url + "/get_server_info", self.timeout)
-                sizes[url] = int(info.get("tp_size", 1))
-            except (OSError, BadReply, ValueError, AttributeError) as exc:
-                raise UserError(f"sglang rollout: {url}/get_server_info: {describe(exc)}") from None
-        world_size = 1 + sum(sizes.values())
+    def connect(self, model: torch.nn.Module) -> None:
+        device = next(model.parameters()).device
+        infos = [read_server_info(url, self.timeout) for url in self.pool.urls]
+        if self.check is not None:
+            self.check(infos)
+        config = getattr(model, "config", None)
+        config_dtype = getattr(config, "torch_dtype", None)
+        dtypes = {
+            i.url: serving_dtype(i.dtype, config_dtype, getattr(config, "model_type", ""))
+            for i in infos
+        }
+        if len(set(dtypes.values())) > 1:
+            listed = ", ".join(f"{u}: {dtype_name(d)}" for u, d in dtypes.items())
+            raise UserError(
+                f"sglang rollout: broadcast sync sends one tensor to every server, but they hold "
+                f"their weights in different dtypes ({listed}); start them with the same --dtype"
+            )
+        self.dtype = next(iter(dtypes.values()))
+        # every worker of every server is one rank (SGLang joins tp * pp * dp of them)
+        world_size = 1 + sum(i.workers for i in infos)
         port = free_port()
         backend = "nccl" if device.type == "cuda" else "gloo"
         payloads, offset = {}, 1
-        for url, size in sizes.items():
-            payloads[url] = {
+        for info in infos:
+            payloads[info.url] = {
                 "master_address": self.address,
                 "master_port": port,
                 "rank_offset": offset,
@@ -138,7 +195,7 @@ class BroadcastWeights:
                 "group_name": GROUP_NAME,
                 "backend": backend,
             }
-            offset += size
+            offset += info.workers
         futures = self._posts("/init_weights_update_group", payloads)
         try:
             self.group = join_group(
@@ -151,24 +208,45 @@ class BroadcastWeights:
             ) from None
         self._results(futures, "joining the weight-update group")
 
-    def send(self, model: torch.nn.Module, version: int) -> None:
+    def plan(self, model: torch.nn.Module) -> list[list[str]]:
+        """The tensor names of each bucket (forming the group at the first call). Sizes are in
+        the servers' dtype; a DTensor counts with its full size."""
         if self.group is None:
-            self.connect(next(model.parameters()).device)
-        tensors = {name: t.detach().contiguous() for name, t in model_tensors(model).items()}
-        request = update_request(tensors, version)
+            self.connect(model)
+        itemsize = self.dtype.itemsize
+        sizes = {name: t.numel() * itemsize for name, t in model_tensors(model).items()}
+        return plan_buckets(sizes, self.buffer_size)
+
+    def send_bucket(
+        self, tensors: dict[str, torch.Tensor], version: int, index: int, count: int
+    ) -> None:
+        """Bucket `index` of `count`: cast to the servers' dtype, announce, broadcast, wait."""
+        last = index == count - 1
+        bucket = {n: t.detach().to(self.dtype).contiguous() for n, t in tensors.items()}
         futures = self._posts(
-            "/update_weights_from_distributed", dict.fromkeys(self.pool.urls, request)
+            "/update_weights_from_distributed",
+            dict.fromkeys(self.pool.urls, update_request(bucket, version, last)),
         )
         try:
-            for tensor in tensors.values():
+            for tensor in bucket.values():
                 dist.broadcast(tensor, src=0, group=self.group)
         except (RuntimeError, OSError) as exc:
             raise UserError(
-                f"sglang rollout: broadcasting the weights of version {version} failed ({exc}); "
-                "the last checkpoint is untouched: rerun the same command once the servers are "
-                "healthy"
+                f"sglang rollout: broadcasting the weights of version {version} failed "
+                f"(bucket {index + 1} of {count}: {exc}); the last checkpoint is "
+                "untouched: rerun the same command once the servers are healthy"
             ) from None
-        self._results(futures, f"loading the weights of version {version}")
+        self._results(
+            futures, f"loading the weights of version {version} (bucket {index + 1}/{count})"
+        )
+
+    def send(self, model: torch.nn.Module, version: int) -> None:
+        buckets = self.plan(model)
+        tensors = model_tensors(model)
+        for index, names in enumerate(buckets):
+            # one bucket at a time: at most one cast bucket beside the model
+            self.send_bucket({n: tensors[n] for n in names}, version, index, len(buckets))
+        self.last_buckets = len(buckets)
 
     def close(self) -> None:
         if self.group is not None:

@@ -40,6 +40,21 @@ class EngineConfig:
         "127.0.0.1",
         "the trainer's address as the servers reach it (--rollout-weight-sync broadcast)",
     )
+    update_weight_buffer_size: int = option(
+        512 * 1024**2,
+        "bytes per bucket of a broadcast weight update (--rollout-weight-sync broadcast): the "
+        "weights go to the servers in buckets of at most this size, cast to the servers' dtype",
+    )
+    sglang_server_concurrency: int = option(
+        64,
+        "requests in flight at once per SGLang server (each carries one prompt's group of "
+        "samples); the samples are the same at any value",
+    )
+    allow_nondeterministic_rollout: bool = option(
+        False,
+        "run on SGLang servers started without --enable-deterministic-inference (they ignore "
+        "sampling_seed, so a resumed run draws other samples: resume is not sample-exact)",
+    )
     vllm_python: str | None = option(
         None,
         "Python of the vLLM environment used to launch `vllm serve` "
@@ -59,6 +74,15 @@ class EngineConfig:
         "restarted with the current weights (the rollout's requests are then sent again)",
     )
 
+    def note(self) -> str | None:
+        """A line for the plan when the run gives up something the user should know."""
+        if self.allow_nondeterministic_rollout and self.rollout_engine == "sglang":
+            return (
+                "--allow-nondeterministic-rollout: SGLang servers that ignore sampling_seed are "
+                "accepted; a resumed run then draws other samples (resume is not sample-exact)"
+            )
+        return None
+
     @property
     def remote(self) -> bool:
         return self.rollout_engine != "local"
@@ -76,6 +100,8 @@ class EngineConfig:
             ("--rollout-attempts", self.rollout_attempts),
             ("--rollout-sync-timeout", self.rollout_sync_timeout),
             ("--vllm-start-timeout", self.vllm_start_timeout),
+            ("--update-weight-buffer-size", self.update_weight_buffer_size),
+            ("--sglang-server-concurrency", self.sglang_server_concurrency),
         ):
             if value <= 0:
                 raise UserError(f"{flag} must be positive, got {value}")

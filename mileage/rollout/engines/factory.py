@@ -28,6 +28,10 @@ def build_engine(
             broadcast_from=(
                 cfg.rollout_weight_sync_address if cfg.rollout_weight_sync == "broadcast" else None
             ),
+            concurrency=cfg.sglang_server_concurrency,
+            allow_nondeterministic=cfg.allow_nondeterministic_rollout,
+            buffer_size=cfg.update_weight_buffer_size,
+            log=log,
         )
     from mileage.rollout.engines.vllm import VLLMEngine
 

