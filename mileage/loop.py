@@ -64,13 +64,19 @@ def sync_engine(run: Run) -> None:
         run.engine.update_weights(run.model, run.actor.step)
 
 
-def train(run: Run, progress: RunProgress) -> list[dict]:
-    cfg, plan = run.cfg, run.plan
+def start(run: Run, progress: RunProgress) -> None:
+    """Restore the run, hand the engine its weights, evaluate before training if asked."""
     restore(run, progress.print)
     sync_engine(run)  # a server may hold other weights than the ones just restored
-    records = []
-    if can_eval(run) and plan.start_rollout_id == 0 and not cfg.loop.skip_eval_before_train:
+    cfg = run.cfg
+    if can_eval(run) and run.plan.start_rollout_id == 0 and not cfg.loop.skip_eval_before_train:
         progress.print(f"eval before training: accuracy {run_eval(run):.3f}")
+
+
+def train(run: Run, progress: RunProgress) -> list[dict]:
+    cfg, plan = run.cfg, run.plan
+    start(run, progress)
+    records = []
 
     stop_reason = None
     # under torchrun, the stop and sentinel answers below are agreed by all ranks
@@ -99,29 +105,43 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             if eval_due(run, rollout_id):
                 progress.phase(rollout_id, "eval")
                 record["eval_accuracy"] = run_eval(run)
-            run.metrics.log(record)  # before the save: a resume cuts the log back to the checkpoint
-            fault_point("after_metrics")
-
-            # decided once: a signal arriving after this line stops (and saves) the next rollout
-            if preempt.stop_requested:
-                stop_reason = preempt.signal_name
-            elif len(records) + 1 == cfg.loop.debug_exit_after_rollout:
-                stop_reason = "--debug-exit-after-rollout"
-            sentinel = preempt.sentinel_present()
-            scheduled = cfg.checkpoint.should_save(rollout_id, plan.num_rollout)
-            if run.writer is not None and (scheduled or sentinel or stop_reason):
-                progress.phase(rollout_id, "save")
-                run.writer.save(rollout_id, checkpoint_state(run, rollout_id))
-                record["saved"] = True
-            if sentinel:
-                preempt.clear_sentinel()
-            progress.done(record)
-            records.append(record)
-
+            stop_reason = log_and_save(run, progress, preempt, record, records, checkpoint_state)
             if stop_reason:
                 break
         if run.writer is not None:
             run.writer.wait()
+    finish(run, progress, records, stop_reason)
+    return records
+
+
+def log_and_save(run: Run, progress: RunProgress, preempt, record: dict, records: list, state):
+    """Log the rollout's record, save it if due (`state(run, rollout_id)` gives what to save),
+    append it to `records`; returns why the run stops after it (None: it goes on)."""
+    cfg, rollout_id = run.cfg, record["rollout_id"]
+    run.metrics.log(record)  # before the save: a resume cuts the log back to the checkpoint
+    fault_point("after_metrics")
+
+    # decided once: a signal arriving after this line stops (and saves) the next rollout
+    stop_reason = None
+    if preempt.stop_requested:
+        stop_reason = preempt.signal_name
+    elif len(records) + 1 == cfg.loop.debug_exit_after_rollout:
+        stop_reason = "--debug-exit-after-rollout"
+    sentinel = preempt.sentinel_present()
+    scheduled = cfg.checkpoint.should_save(rollout_id, run.plan.num_rollout)
+    if run.writer is not None and (scheduled or sentinel or stop_reason):
+        progress.phase(rollout_id, "save")
+        run.writer.save(rollout_id, state(run, rollout_id))
+        record["saved"] = True
+    if sentinel:
+        preempt.clear_sentinel()
+    progress.done(record)
+    records.append(record)
+    return stop_reason
+
+
+def finish(run: Run, progress: RunProgress, records: list[dict], stop_reason: str | None) -> None:
+    """Close the metrics log and say where a stopped run resumes."""
     run.metrics.close()
     if stop_reason:
         where = (
@@ -132,7 +152,6 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
         progress.print(
             f"stopped after rollout {records[-1]['rollout_id']} ({stop_reason}); {where}"
         )
-    return records
 
 
 def rollout_record(

@@ -20,6 +20,7 @@ import math
 import torch
 
 from mileage.errors import UserError
+from mileage.faults import fault_point
 from mileage.rollout.engine import Completion, SamplingParams
 from mileage.rollout.engines.base import SamplingSeed
 from mileage.rollout.engines.broadcast import BroadcastWeights
@@ -72,6 +73,7 @@ class SGLangEngine:
             self.weight_version = version
             return
         path = self.weights.write(model)
+        fault_point("mid_weight_sync")  # written, not yet loaded by the servers
         payload = {"model_path": str(path), "weight_version": str(version)}
         results = self.pool.broadcast("/update_weights_from_disk", payload, self.sync_timeout)
         failed = {url: why for url, why in results.items() if why is not None}
