@@ -47,6 +47,10 @@ SYNC_FAULT_CHAIN = (
 )
 PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
+ASYNC_CRASH = "tests/test_async_crash.py"
+ASYNC_RESUME = f"{ASYNC_CRASH}::test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run"
+ASYNC_ORDER = f"{ASYNC_CRASH}::test_one_step_off_trains_every_prompt_once_in_data_order"
+ASYNC_S0 = f"{ASYNC_CRASH}::test_staleness_zero_is_train_tensor_for_tensor"
 
 
 @dataclass(frozen=True)
@@ -451,6 +455,46 @@ MUTANTS = [
         "    error = env.broadcast_object(error)\n",
         "",
         (f"{DIST}::test_second_torchrun_job_on_a_save_in_use_exits_2_on_every_rank",),
+    ),
+    Mutant(
+        "async-buffer-not-saved",
+        "train-async commits checkpoints without the rollout buffer (the pre-generated slot is lost)",
+        "mileage/async_loop.py",
+        "        saved.trainer[STATE_KEY] = buffer.state_dict()\n",
+        "",
+        (ASYNC_RESUME,),
+    ),
+    Mutant(
+        "async-buffer-not-restored",
+        "a resumed train-async run starts with an empty rollout buffer",
+        "mileage/async_loop.py",
+        "        if state:\n            buffer.load_state_dict(state)\n",
+        "        pass\n",
+        (ASYNC_RESUME,),
+    ),
+    Mutant(
+        "async-completion-order",
+        "slots are collected newest first instead of in submission order",
+        "mileage/async_loop.py",
+        "        slot, policy, future = self.pending.popleft()\n",
+        "        slot, policy, future = self.pending.pop()\n",
+        (ASYNC_ORDER,),
+    ),
+    Mutant(
+        "async-engine-at-wrong-version",
+        "generation runs one slot further ahead, so slots use weights one version too old",
+        "mileage/async_config.py",
+        "        return engine_rollouts + self.update_weights_interval - 1 + self.lead(",
+        "        return engine_rollouts + self.update_weights_interval + self.lead(",
+        (ASYNC_ORDER,),
+    ),
+    Mutant(
+        "async-engine-copy-without-grad",
+        "the async in-process engine's copy has requires_grad off (other CPU kernels, other bits)",
+        "mileage/rollout/engines/detached.py",
+        "        own = copy.deepcopy(model).eval()\n",
+        "        own = copy.deepcopy(model).requires_grad_(False).eval()\n",
+        (ASYNC_S0,),
     ),
 ]
 

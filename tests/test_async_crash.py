@@ -113,6 +113,18 @@ def test_one_step_off_trains_every_prompt_once_in_data_order(one_step_reference,
     assert trained_prompts(save) == trained_prompts(crash_reference[0])
 
 
+def test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run(one_step_reference, tmp_path):
+    reference, _ = one_step_reference
+    save = tmp_path / "run"
+    first = launch([*ONE_STEP_ARGS, "--debug-exit-after-rollout", "2"], save, subcommand=ASYNC)
+    assert first.returncode == 0, first.tail()
+    rerun = launch(ONE_STEP_ARGS, save, subcommand=ASYNC)
+    assert rerun.returncode == 0, rerun.tail()
+    # iter_1 holds slot 2, generated during rollout 1 with the weights of rollout 0's update
+    assert "reuses 1 pre-generated rollout (32 samples, weight version 2)" in rerun.stdout
+    assert compare_runs(reference, save) == []
+
+
 def test_one_step_off_kills_resume_to_the_uninterrupted_async_run(one_step_reference, tmp_path):
     reference, _ = one_step_reference
     save = tmp_path / "run"
