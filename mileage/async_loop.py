@@ -27,11 +27,10 @@ from mileage.distributed.coordination import preemption_guard
 from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.loop import (
-    eval_due,
+    evaluate_if_due,
     finish,
     log_and_save,
     rollout_record,
-    run_eval,
     start,
     sync_engine,
 )
@@ -234,11 +233,8 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
                     rollout_id, prompts, samples, stats, (started, generated, trained, synced)
                 )
                 record.update(staleness_stats(groups, rollout_id, stale))
-                # evaluated with the engine, so only where it holds the trainer's weights
-                if eval_due(run, rollout_id) and engine_policy == rollout_id + 1:
-                    progress.phase(rollout_id, "eval")
-                    record["eval_accuracy"] = run_eval(run)
-
+                if engine_policy == rollout_id + 1:  # evaluation generates with the engine
+                    evaluate_if_due(run, progress, record)
                 stop_reason = log_and_save(run, progress, preempt, record, records, state)
                 if stop_reason:
                     break

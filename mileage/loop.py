@@ -37,6 +37,13 @@ def eval_due(run: Run, rollout_id: int) -> bool:
     return can_eval(run) and ((rollout_id + 1) % interval == 0 or last)
 
 
+def evaluate_if_due(run: Run, progress: RunProgress, record: dict) -> None:
+    """Add the held-out accuracy to the rollout's record when the eval interval says so."""
+    if eval_due(run, record["rollout_id"]):
+        progress.phase(record["rollout_id"], "eval")
+        record["eval_accuracy"] = run_eval(run)
+
+
 def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
     rc = run.cfg.rollout
     if rc.load_debug_rollout_data:
@@ -102,9 +109,7 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             record = rollout_record(
                 rollout_id, prompts, samples, stats, (started, generated, trained, synced)
             )
-            if eval_due(run, rollout_id):
-                progress.phase(rollout_id, "eval")
-                record["eval_accuracy"] = run_eval(run)
+            evaluate_if_due(run, progress, record)
             stop_reason = log_and_save(run, progress, preempt, record, records, checkpoint_state)
             if stop_reason:
                 break
