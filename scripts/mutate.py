@@ -489,6 +489,14 @@ MUTANTS = [
         (ASYNC_ORDER,),
     ),
     Mutant(
+        "async-clip-against-behaviour",
+        "the decoupled loss keeps the engine's (behaviour) log-probs as the PPO old policy",
+        "mileage/async_loop.py",
+        "    batch.old_logprobs, batch.tis_weights = proximal, weights\n",
+        "    batch.tis_weights = weights\n",
+        ("tests/test_async.py",),
+    ),
+    Mutant(
         "async-engine-copy-without-grad",
         "the async in-process engine's copy has requires_grad off (other CPU kernels, other bits)",
         "mileage/rollout/engines/detached.py",

@@ -145,3 +145,38 @@ def test_bad_async_input_is_one_line_and_exit_2(cli, tmp_path, extra, message):
 def test_staleness_flags_belong_to_train_async_only(cli):
     done = cli("train", "--fully-async")
     assert done.returncode == 2 and "unrecognized arguments: --fully-async" in done.stderr
+
+
+def test_the_driver_clips_against_the_proximal_policy_and_weights_by_proximal_over_behaviour(
+    tiny_hf,
+):
+    from types import SimpleNamespace
+
+    from mileage.async_loop import correct_off_policy
+    from mileage.models.hf import load_causal_lm
+    from mileage.rollout.engines.mismatch import MismatchConfig
+    from mileage.training.algo import AlgoConfig
+    from mileage.training.batch import pack_samples
+
+    model = load_causal_lm(tiny_hf)
+    behaviour = [[-0.1, -9.0], [-2.0, -0.05]]  # the engine's (older weights') log-probs
+    samples = [
+        Sample(Prompt(i, "p", "1"), [1, 5, 6], [7, 8], lp, "x", 1.0, True, 0, [0, 0])
+        for i, lp in enumerate(behaviour)
+    ]
+    batch = pack_samples(samples, pad_id=0)
+    actor = SimpleNamespace(algo=AlgoConfig(), model=model, temperature=1.0)
+    cfg = SimpleNamespace(asynchronous=AsyncConfig(), mismatch=MismatchConfig())
+    run = SimpleNamespace(cfg=cfg, actor=actor, engine=None)
+    stats = correct_off_policy(run, batch)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids).logits[:, :-1]
+        proximal = torch.log_softmax(logits.float(), -1).gather(-1, batch.targets[..., None])[
+            ..., 0
+        ]
+    mask = batch.loss_mask
+    assert torch.allclose(batch.old_logprobs, proximal * mask, atol=1e-5)
+    raw = torch.exp(proximal - pack_samples(samples, 0).old_logprobs) * mask
+    expected = torch.where(raw <= 5.0, raw, torch.zeros_like(raw))
+    assert torch.allclose(batch.tis_weights, expected, atol=1e-5)
+    assert 0.0 < stats["behav_imp_weight_capped_frac"] < 1.0  # the -9.0 token exceeds the cap
