@@ -103,6 +103,9 @@ class Producer:
 def restored_buffer(run: Run) -> RolloutBuffer:
     buffer = RolloutBuffer()
     plan = run.plan
+    # without a saved buffer (a fresh start, or a checkpoint of `mileage train`) the first slot
+    # is the first rollout, seeded as `mileage train` would seed it
+    buffer.next_slot = plan.start_rollout_id
     if plan.action == RESUME and plan.load_data_state:  # the buffer belongs to the data position
         state = read_json(plan.weights_from, TRAINER_STATE).get(STATE_KEY)
         if state:
