@@ -184,3 +184,18 @@ def test_serve_engine_kills_and_sigterm_resume_exactly(serve_args, builtin_model
     # the first resume reuses slot 1, generated before the SIGTERM with the starting weights
     assert "reuses 1 pre-generated rollout (32 samples" in outcomes[0].launch.stdout
     assert_recovered(outcomes, compare_runs(reference, save))
+
+
+def test_train_async_continues_a_checkpoint_of_train(crash_reference, tmp_path):
+    import shutil
+
+    save = tmp_path / "run"
+    shutil.copytree(crash_reference[0], save)
+    args = [*crash_run_args(num_rollout=8)]
+    done = launch(args, save, subcommand=ASYNC)
+    assert done.returncode == 0, done.tail()
+    assert "resume at rollout 6 of 8" in done.stdout and "reuses" not in done.stdout
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    # nothing was generated ahead by `train`: rollout 6 is generated with the trainer's weights
+    assert [r["staleness_max"] for r in records[6:]] == [0, 1]
+    assert "staleness_max" not in records[5]
