@@ -180,3 +180,11 @@ def test_the_driver_clips_against_the_proximal_policy_and_weights_by_proximal_ov
     expected = torch.where(raw <= 5.0, raw, torch.zeros_like(raw))
     assert torch.allclose(batch.tis_weights, expected, atol=1e-5)
     assert 0.0 < stats["behav_imp_weight_capped_frac"] < 1.0  # the -9.0 token exceeds the cap
+
+
+def test_train_async_under_torchrun_is_refused_naming_what_works(cli, tmp_path):
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    done = cli("train-async", "--num-rollout", "1", "--save", tmp_path / "s", env=env)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "train-async does not run under torchrun yet" in line and "-m mileage train" in line
