@@ -251,7 +251,7 @@ def report(chains: list[Chain], options, command: str, started: float, loads) ->
     sections = [
         "# Crash-anywhere soak",
         "",
-        "Every kill is a SIGKILL of `mileage train`, at a named fault point (`MILEAGE_KILL_AT`, "
+        f"Every kill is a SIGKILL of `mileage {subcommand(options)}`, at a named fault point (`MILEAGE_KILL_AT`, "
         "the process kills itself at the hit-th time it reaches the point) or at a random delay "
         "after launch (killed from outside). After each kill the same command is rerun; each "
         "chain of kills ends by rerunning it until it exits 0, and the result is compared with "
