@@ -199,3 +199,17 @@ def test_train_async_continues_a_checkpoint_of_train(crash_reference, tmp_path):
     # nothing was generated ahead by `train`: rollout 6 is generated with the trainer's weights
     assert [r["staleness_max"] for r in records[6:]] == [0, 1]
     assert "staleness_max" not in records[5]
+
+
+def test_concurrent_generation_trains_the_same_as_one_slot_at_a_time(builtin_model, tmp_path):
+    # two rollouts generate at once on the engine (and overlap training): every slot is seeded
+    # by its own index, so what trains does not depend on what generated beside it, or when
+    args = [*crash_run_args(num_rollout=4), "--fully-async", "--max-weight-staleness", "2"]
+    one = tmp_path / "one"
+    run_uninterrupted(args, one, subcommand=ASYNC)
+    assert_learned(one, builtin_model)
+    two = tmp_path / "two"
+    run_uninterrupted([*args, "--async-max-concurrent-samples", "64"], two, subcommand=ASYNC)
+    assert compare_runs(one, two) == []
+    records = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness_max"] for r in records] == [0, 1, 2, 2]
