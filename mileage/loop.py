@@ -38,6 +38,13 @@ def eval_due(run: Run, rollout_id: int) -> bool:
     return can_eval(run) and ((rollout_id + 1) % interval == 0 or last)
 
 
+def evaluate_if_due(run: Run, progress: RunProgress, record: dict) -> None:
+    """Add the held-out accuracy to the rollout's record when the eval interval says so."""
+    if eval_due(run, record["rollout_id"]):
+        progress.phase(record["rollout_id"], "eval")
+        record["eval_accuracy"] = run_eval(run)
+
+
 def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
     rc = run.cfg.rollout
     if rc.load_debug_rollout_data:
@@ -65,16 +72,22 @@ def sync_engine(run: Run) -> None:
         run.engine.update_weights(run.model, run.actor.step)
 
 
-def train(run: Run, progress: RunProgress) -> list[dict]:
-    cfg, plan = run.cfg, run.plan
+def start(run: Run, progress: RunProgress) -> None:
+    """Restore the run, hand the engine its weights, evaluate before training if asked."""
     restore(run, progress.print)
     sync_engine(run)  # a server may hold other weights than the ones just restored
-    records = []
-    if can_eval(run) and plan.start_rollout_id == 0 and not cfg.loop.skip_eval_before_train:
+    cfg = run.cfg
+    if can_eval(run) and run.plan.start_rollout_id == 0 and not cfg.loop.skip_eval_before_train:
         # recorded as the point the held-out curve starts from (miles logs it at step 0)
         accuracy = run_eval(run)
         run.metrics.log({"rollout_id": EVAL_BEFORE_TRAINING, "eval_accuracy": accuracy})
         progress.print(f"eval before training: accuracy {accuracy:.3f}")
+
+
+def train(run: Run, progress: RunProgress) -> list[dict]:
+    cfg, plan = run.cfg, run.plan
+    start(run, progress)
+    records = []
 
     stop_reason = None
     # under torchrun, the stop and sentinel answers below are agreed by all ranks
@@ -100,32 +113,44 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             record = rollout_record(
                 rollout_id, prompts, samples, stats, (started, generated, trained, synced)
             )
-            if eval_due(run, rollout_id):
-                progress.phase(rollout_id, "eval")
-                record["eval_accuracy"] = run_eval(run)
-            run.metrics.log(record)  # before the save: a resume cuts the log back to the checkpoint
-            fault_point("after_metrics")
-
-            # decided once: a signal arriving after this line stops (and saves) the next rollout
-            if preempt.stop_requested:
-                stop_reason = preempt.signal_name
-            elif len(records) + 1 == cfg.loop.debug_exit_after_rollout:
-                stop_reason = "--debug-exit-after-rollout"
-            sentinel = preempt.sentinel_present()
-            scheduled = cfg.checkpoint.should_save(rollout_id, plan.num_rollout)
-            if run.writer is not None and (scheduled or sentinel or stop_reason):
-                progress.phase(rollout_id, "save")
-                run.writer.save(rollout_id, checkpoint_state(run, rollout_id))
-                record["saved"] = True
-            if sentinel:
-                preempt.clear_sentinel()
-            progress.done(record)
-            records.append(record)
-
+            evaluate_if_due(run, progress, record)
+            stop_reason = log_and_save(run, progress, preempt, record, records, checkpoint_state)
             if stop_reason:
                 break
         if run.writer is not None:
             run.writer.wait()
+    finish(run, progress, records, stop_reason)
+    return records
+
+
+def log_and_save(run: Run, progress: RunProgress, preempt, record: dict, records: list, state):
+    """Log the rollout's record, save it if due (`state(run, rollout_id)` gives what to save),
+    append it to `records`; returns why the run stops after it (None: it goes on)."""
+    cfg, rollout_id = run.cfg, record["rollout_id"]
+    run.metrics.log(record)  # before the save: a resume cuts the log back to the checkpoint
+    fault_point("after_metrics")
+
+    # decided once: a signal arriving after this line stops (and saves) the next rollout
+    stop_reason = None
+    if preempt.stop_requested:
+        stop_reason = preempt.signal_name
+    elif len(records) + 1 == cfg.loop.debug_exit_after_rollout:
+        stop_reason = "--debug-exit-after-rollout"
+    sentinel = preempt.sentinel_present()
+    scheduled = cfg.checkpoint.should_save(rollout_id, run.plan.num_rollout)
+    if run.writer is not None and (scheduled or sentinel or stop_reason):
+        progress.phase(rollout_id, "save")
+        run.writer.save(rollout_id, state(run, rollout_id))
+        record["saved"] = True
+    if sentinel:
+        preempt.clear_sentinel()
+    progress.done(record)
+    records.append(record)
+    return stop_reason
+
+
+def finish(run: Run, progress: RunProgress, records: list[dict], stop_reason: str | None) -> None:
+    """Close the metrics log and say where a stopped run resumes."""
     run.metrics.close()
     if stop_reason:
         where = (
@@ -136,7 +161,6 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
         progress.print(
             f"stopped after rollout {records[-1]['rollout_id']} ({stop_reason}); {where}"
         )
-    return records
 
 
 def rollout_record(

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from mileage.async_config import AsyncConfig
 from mileage.checkpoint.config import CheckpointConfig
 from mileage.config import add_options, flag_of, from_namespace, option
 from mileage.distributed import env
@@ -113,13 +114,17 @@ class RunConfig:
     loop: LoopConfig = field(default_factory=LoopConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # `mileage train-async` only (and `plan`, which plans for either); defaults elsewhere
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
     # the DEMO_DEFAULTS this run took (empty unless it is the built-in demo)
     demo_defaults: dict = field(default_factory=dict)
 
     @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
+    def add_arguments(parser: argparse.ArgumentParser, asynchronous: bool = False) -> None:
         for _, cls, title in SECTIONS:
             add_options(parser, cls, title)
+        if asynchronous:
+            add_options(parser, AsyncConfig, "async training (train-async)")
         parser.set_defaults(**{name: NotGiven(parser.get_default(name)) for name in DEMO_DEFAULTS})
 
     @classmethod
@@ -127,6 +132,7 @@ class RunConfig:
         ns = argparse.Namespace(**vars(ns))
         applied = _apply_demo_defaults(ns)
         cfg = cls(**{name: from_namespace(section, ns) for name, section, _ in SECTIONS})
+        cfg.asynchronous = from_namespace(AsyncConfig, ns)
         cfg.demo_defaults = applied
         cfg.validate()
         return cfg

@@ -66,6 +66,10 @@ RNG_CUDA = "tests/test_rng_cuda.py"
 SGLANG_CLIENT = "tests/test_sglang_client.py"
 VLLM_CLIENT = "tests/test_vllm_client.py"
 BROADCAST_E2E = f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk"
+ASYNC_CRASH = "tests/test_async_crash.py"
+ASYNC_RESUME = f"{ASYNC_CRASH}::test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run"
+ASYNC_ORDER = f"{ASYNC_CRASH}::test_one_step_off_trains_every_prompt_once_in_data_order"
+ASYNC_S0 = f"{ASYNC_CRASH}::test_staleness_zero_is_train_tensor_for_tensor"
 
 
 @dataclass(frozen=True)
@@ -297,7 +301,7 @@ MUTANTS = [
         "stale-samples-accepted",
         "samples of an older weight version than the engine's are trained on",
         "mileage/rollout/rollout.py",
-        "    if stale:\n",
+        "    if refused is not None:\n",
         "    if False:\n",
         (f"{ENGINES}::test_samples_of_an_older_weight_version_are_refused",),
     ),
@@ -357,8 +361,8 @@ MUTANTS = [
         "engine-not-synced-after-training",
         "the servers never get the weights of a training step (they keep the start's)",
         "mileage/loop.py",
-        "            stats = {**run.actor.train_rollout(batch), **mismatch}\n            sync_engine(run)\n",
-        "            stats = {**run.actor.train_rollout(batch), **mismatch}\n",
+        "            trained = time.perf_counter()\n            sync_engine(run)\n",
+        "            trained = time.perf_counter()\n",
         (
             f"{ENGINES}::test_two_rollouts_on_two_servers_learn_and_the_servers_follow_the_weights",
             f"{VLLM}::test_launched_server_trains_with_weight_sync_and_is_stopped",
@@ -869,6 +873,54 @@ MUTANTS = [
         (
             "tests/test_distributed_remote.py::test_n2_broadcast_from_the_shards_in_buckets_equals_the_disk_synced_run",
         ),
+    ),
+    Mutant(
+        "async-buffer-not-saved",
+        "train-async commits checkpoints without the rollout buffer (the pre-generated slot is lost)",
+        "mileage/async_loop.py",
+        "        saved.trainer[STATE_KEY] = buffer.state_dict()\n",
+        "",
+        (ASYNC_RESUME,),
+    ),
+    Mutant(
+        "async-buffer-not-restored",
+        "a resumed train-async run starts with an empty rollout buffer",
+        "mileage/async_loop.py",
+        "        if state:\n            buffer.load_state_dict(state)\n",
+        "        pass\n",
+        (ASYNC_RESUME,),
+    ),
+    Mutant(
+        "async-completion-order",
+        "slots are collected newest first instead of in submission order",
+        "mileage/async_loop.py",
+        "        slot, policy, future = self.pending.popleft()\n",
+        "        slot, policy, future = self.pending.pop()\n",
+        (ASYNC_ORDER,),
+    ),
+    Mutant(
+        "async-engine-at-wrong-version",
+        "generation runs one slot further ahead, so slots use weights one version too old",
+        "mileage/async_config.py",
+        "        return engine_rollouts + self.update_weights_interval - 1 + self.lead(",
+        "        return engine_rollouts + self.update_weights_interval + self.lead(",
+        (ASYNC_ORDER,),
+    ),
+    Mutant(
+        "async-clip-against-behaviour",
+        "the decoupled loss keeps the engine's (behaviour) log-probs as the PPO old policy",
+        "mileage/async_loop.py",
+        "    batch.old_logprobs, batch.tis_weights = proximal, weights\n",
+        "    batch.tis_weights = weights\n",
+        ("tests/test_async.py",),
+    ),
+    Mutant(
+        "async-engine-copy-without-grad",
+        "the async in-process engine's copy has requires_grad off (other CPU kernels, other bits)",
+        "mileage/rollout/engines/detached.py",
+        "        own = copy.deepcopy(model).eval()\n",
+        "        own = copy.deepcopy(model).requires_grad_(False).eval()\n",
+        (ASYNC_S0,),
     ),
 ]
 

@@ -10,6 +10,13 @@ spent the command is rerun until it exits 0. Each finished chain is compared wit
 uninterrupted run of the same command, every checkpoint tensor with `torch.equal`. Prints one
 row per kill and a summary, and writes both as markdown with `--out`.
 
+With `--train-async one-step|fully` every launch is `mileage train-async` (one-step-off, or
+fully async with a staleness bound its weight-update interval exceeds, so stale groups are
+retried), and the named kills include the async points (slot N+1 generating while N trains,
+before and in the middle of a weight sync):
+
+    python scripts/soak.py --train-async one-step --kills 100 --seed 0 --out docs/soak_async.md
+
 With `--nproc N` every launch is `torchrun --nproc-per-node N --standalone -m mileage train`
 (sync saves only: --async-save is refused under torchrun). A named kill dies on one rank, drawn
 at random among those that reach the point (the commit after the shards runs on rank 0 alone);
@@ -38,6 +45,7 @@ from mileage.checkpoint.layout import read_tracker
 from mileage.testing.compare import compare_runs, count_tensor_differences
 from mileage.testing.crash import run_uninterrupted, run_with_kills
 from mileage.testing.kills import (
+    ASYNC_POINTS,
     KILL_POINTS,
     SAVE_POINTS,
     STEPS_PER_ROLLOUT,
@@ -85,8 +93,10 @@ class KillChooser:
         named_fraction: float,
         max_delay: float,
         nproc: int = 1,
+        points: tuple[str, ...] = KILL_POINTS,
     ):
         self.nproc = nproc
+        self.points = points
         self.rng, self.save, self.budget = rng, save, budget
         self.num_rollout, self.named_fraction, self.max_delay = (
             num_rollout,
@@ -104,7 +114,7 @@ class KillChooser:
         if left <= 0:
             return None  # every rollout is committed: nothing left to kill, the rerun finishes
         if self.rng.random() < self.named_fraction:
-            point = self.rng.choice(KILL_POINTS)
+            point = self.rng.choice(self.points)
             per_rollout = STEPS_PER_ROLLOUT if point == "optimizer_step" else 1
             hit = self.rng.randint(1, max(1, left * per_rollout))
             ranks = self.nproc if point in EVERY_RANK_POINTS else 1
@@ -112,6 +122,33 @@ class KillChooser:
         # a launch with less left to do finishes sooner: aim the delay at its lifetime
         horizon = self.max_delay * (0.5 + 0.5 * left / self.num_rollout)
         return Kill.after(round(self.rng.uniform(0.0, horizon), 2))
+
+
+# `--train-async`: the flags added to the crash run, and the points only train-async reaches
+ASYNC_MODES = {
+    "one-step": [],
+    "fully": [
+        "--fully-async",
+        "--max-weight-staleness", "1",
+        "--update-weights-interval", "2",
+        "--async-unused-samples-handler", "retry",
+    ],
+}  # fmt: skip
+
+
+def run_args(options, async_save: bool) -> list[str]:
+    extra = ASYNC_MODES[options.train_async] if options.train_async else []
+    return [*crash_run_args(options.num_rollout, async_save), *extra]
+
+
+def subcommand(options) -> str:
+    return "train-async" if options.train_async else "train"
+
+
+def kill_points(options) -> tuple[str, ...]:
+    if options.train_async:
+        return KILL_POINTS
+    return tuple(p for p in KILL_POINTS if p not in ASYNC_POINTS)
 
 
 def run_chain(chain: Chain, options, workdir: Path, references: dict[bool, Path], log) -> Chain:
@@ -125,15 +162,17 @@ def run_chain(chain: Chain, options, workdir: Path, references: dict[bool, Path]
         options.named_fraction,
         options.max_delay_factor * references["seconds"],
         options.nproc,
+        kill_points(options),
     )
     started = time.monotonic()
     chain.outcomes = run_with_kills(
-        crash_run_args(options.num_rollout, chain.async_save),
+        run_args(options, chain.async_save),
         save,
         chooser,
         max_reruns=options.max_reruns,
         log=lambda line: log(f"chain {chain.number} ({chain.mode}): {line}"),
         nproc=options.nproc,
+        subcommand=subcommand(options),
     )
     chain.diffs = compare_runs(references[chain.async_save], save)
     chain.seconds = time.monotonic() - started
@@ -212,7 +251,7 @@ def report(chains: list[Chain], options, command: str, started: float, loads) ->
     sections = [
         "# Crash-anywhere soak",
         "",
-        "Every kill is a SIGKILL of `mileage train`, at a named fault point (`MILEAGE_KILL_AT`, "
+        f"Every kill is a SIGKILL of `mileage {subcommand(options)}`, at a named fault point (`MILEAGE_KILL_AT`, "
         "the process kills itself at the hit-th time it reaches the point) or at a random delay "
         "after launch (killed from outside). After each kill the same command is rerun; each "
         "chain of kills ends by rerunning it until it exits 0, and the result is compared with "
@@ -226,8 +265,8 @@ def report(chains: list[Chain], options, command: str, started: float, loads) ->
         f"Machine: {machine()}",
         "",
         *([options.note, ""] if options.note else []),
-        f"Run settings: `{launcher(options.nproc)}mileage train "
-        f"{' '.join(crash_run_args(options.num_rollout, False))} "
+        f"Run settings: `{launcher(options.nproc)}mileage {subcommand(options)} "
+        f"{' '.join(run_args(options, False))} "
         f"{'' if options.nproc > 1 else '[--async-save] '}--save D --load D --save-interval 1` "
         "(built-in model)",
         "",
@@ -264,11 +303,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--nproc", type=int, default=1, help="processes per launch (torchrun above 1; sync saves)"
     )
+    parser.add_argument(
+        "--train-async",
+        choices=sorted(ASYNC_MODES),
+        help="soak `mileage train-async` (one-step-off or fully async) instead of `train`",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="chains run at the same time")
     parser.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     parser.add_argument("--keep", action="store_true", help="keep each chain's save directory")
     parser.add_argument("--note", default="", help="a line for the report (e.g. the commit)")
     options = parser.parse_args(argv)
+    if options.train_async and options.nproc > 1:
+        parser.error("--train-async runs as one process (train-async refuses torchrun)")
     command = shlex.join(["python", "scripts/soak.py", *(argv or sys.argv[1:])])
 
     started = time.monotonic()
@@ -285,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     modes = (False,) if options.nproc > 1 else (False, True)
     for async_save in modes:
         done = run_uninterrupted(
-            crash_run_args(options.num_rollout, async_save),
+            run_args(options, async_save),
             workdir / f"reference-{async_save}",
             nproc=options.nproc,
+            subcommand=subcommand(options),
         )
         references[async_save] = workdir / f"reference-{async_save}"
         references["seconds"] = max(references.get("seconds", 0.0), done.seconds)

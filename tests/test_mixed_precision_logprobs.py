@@ -13,7 +13,6 @@ import copy
 
 import pytest
 import torch
-from mileage.rollout.engines.mismatch import MismatchConfig, apply_mismatch
 
 from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.models.hf import load_causal_lm, load_tokenizer
@@ -23,6 +22,7 @@ from mileage.rollout.rewards.rules import exact_reward
 from mileage.rollout.rollout import PromptEncoder, generate_samples
 from mileage.training.actor import Actor, AlgoConfig, sequence_logprobs
 from mileage.training.batch import pack_samples
+from mileage.training.mismatch import MismatchConfig, apply_mismatch
 from mileage.training.optimizer import OptimConfig, build_optimizer, build_schedule
 
 GROUP = 4

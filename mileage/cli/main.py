@@ -28,6 +28,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return train_command(cfg)
 
 
+def _cmd_train_async(args: argparse.Namespace) -> int:
+    from mileage.run_config import RunConfig
+
+    cfg = RunConfig.from_args(args)
+    from mileage.cli.train import train_command
+
+    return train_command(cfg, asynchronous=True)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from mileage.components import preflight, with_recorded_model
     from mileage.run_config import RunConfig
@@ -36,9 +45,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = preflight(cfg).plan
     if not args.json and cfg.demo_note():
         print(cfg.demo_note())
-    print(plan.to_json() if args.json else plan.describe())
-    if not args.json and cfg.engine.note():
+    if args.json:
+        print(plan.to_json())
+        return 0
+    print(plan.describe())
+    if cfg.engine.note():
         print(cfg.engine.note())
+    from mileage.cli.train import reuse_line
+
+    reuse = reuse_line(plan)
+    if reuse:
+        print(reuse)
     return 0
 
 
@@ -61,8 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     RunConfig.add_arguments(train)
     train.set_defaults(func=_cmd_train)
 
-    plan = sub.add_parser("plan", help="print the resume plan `train` would follow, and exit")
-    RunConfig.add_arguments(plan)
+    train_async = sub.add_parser(
+        "train-async",
+        help="train with generation overlapping training (one-step-off, or --fully-async)",
+    )
+    RunConfig.add_arguments(train_async, asynchronous=True)
+    train_async.set_defaults(func=_cmd_train_async)
+
+    plan = sub.add_parser(
+        "plan", help="print the resume plan `train` or `train-async` would follow, and exit"
+    )
+    RunConfig.add_arguments(plan, asynchronous=True)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(func=_cmd_plan)
 

@@ -6,23 +6,41 @@ from dataclasses import replace
 
 import torch
 
-from mileage.checkpoint.plan import COMPLETE
-from mileage.checkpoint.store import remove_leftovers
+from mileage.checkpoint.plan import COMPLETE, RESUME, ResumePlan
+from mileage.checkpoint.store import TRAINER_STATE, remove_leftovers
 from mileage.components import build_run, preflight, with_recorded_model
 from mileage.distributed import env
 from mileage.distributed.coordination import run_progress, save_dir_lock
 from mileage.loop import train
+from mileage.rollout.buffer import describe_saved
 from mileage.run_config import RunConfig
 
 
-def train_command(cfg: RunConfig) -> int:
+def reuse_line(plan: ResumePlan, asynchronous: bool = True) -> str | None:
+    """What the resume takes from the checkpoint's rollout buffer (an async run's), if any."""
+    if plan.action != RESUME or not plan.load_data_state:
+        return None
+    line = describe_saved(plan.weights_from, TRAINER_STATE)
+    if line is None or asynchronous:
+        return line
+    return (
+        "  note: the checkpoint holds an async run's rollout buffer; `mileage train` generates "
+        "on-policy instead (continue it exactly with `mileage train-async` and its flags)"
+    )
+
+
+def train_command(cfg: RunConfig, asynchronous: bool = False) -> int:
     """Under torchrun every rank runs this; rank 0 prints, holds the lock and cleans up."""
     env.request_device(cfg.parallel.device)
+    if asynchronous:
+        from mileage.async_loop import check_async_run
+
+        check_async_run(cfg, env.world_size())
     with env.session():
-        return _train(cfg)
+        return _train(cfg, asynchronous)
 
 
-def _train(cfg: RunConfig) -> int:
+def _train(cfg: RunConfig, asynchronous: bool) -> int:
     notes: list[str] = []
     cfg = with_recorded_model(cfg, notes.append)
     pre = preflight(cfg)
@@ -37,6 +55,9 @@ def _train(cfg: RunConfig) -> int:
         progress.print(cfg.engine.note())
     if env.device().type == "cuda":
         progress.print(f"training on {env.device()} ({torch.cuda.get_device_name(env.device())})")
+    reuse = reuse_line(plan, asynchronous)
+    if reuse:
+        progress.print(reuse)
     save = cfg.checkpoint.save
     with save_dir_lock(save) as lock:
         if lock is not None and lock.previous_holder:
@@ -62,7 +83,12 @@ def _train(cfg: RunConfig) -> int:
         run = build_run(cfg, pre, progress.print)
         try:
             with progress:
-                records = train(run, progress)
+                if asynchronous:
+                    from mileage.async_loop import train_async
+
+                    records = train_async(run, progress)
+                else:
+                    records = train(run, progress)
         finally:
             if run.engine is not None:
                 run.engine.close()  # stops a launched server, removes synced weights

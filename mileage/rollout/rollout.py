@@ -47,6 +47,15 @@ class Sample:
     reward: float
     finished: bool
     weight_version: int | None = None  # of the weights that generated it (None: older files)
+    # per response token, the weight version that generated it (partial rollouts mix versions);
+    # None in files written before it was recorded
+    weight_versions: list[int] | None = None
+
+    def oldest_version(self) -> int | None:
+        """The oldest weight version among the sample's tokens (what its staleness counts)."""
+        if self.weight_versions:
+            return min(self.weight_versions)
+        return self.weight_version
 
 
 class PromptEncoder:
@@ -85,10 +94,10 @@ def generate_samples(
     # greedy decoding draws nothing: no seed, so a remote engine may batch it freely
     sampling_seed = None if params.greedy else SamplingSeed(seed, rollout_id)
     completions = engine.generate(ids, params, sampling_seed, group_size=n_samples)
-    stale = [c.weight_version for c in completions if c.weight_version != engine.weight_version]
-    if stale:
+    refused = inadmissible([c.weight_version for c in completions], engine.weight_version, 0)
+    if refused is not None:
         raise UserError(
-            f"rollout {rollout_id}: the engine returned samples of weight version {stale[0]}, "
+            f"rollout {rollout_id}: the engine returned samples of weight version {refused}, "
             f"expected {engine.weight_version}; refusing to train on off-policy data"
         )
     decode = encode.tokenizer.decode
@@ -97,9 +106,31 @@ def generate_samples(
         reward_fn, [(p.text, t, p.label) for p, t in zip(expanded, texts, strict=True)]
     )
     return [
-        Sample(p, c.prompt_ids, c.response_ids, c.logprobs, t, r, c.finished, c.weight_version)
+        Sample(
+            p,
+            c.prompt_ids,
+            c.response_ids,
+            c.logprobs,
+            t,
+            r,
+            c.finished,
+            c.weight_version,
+            [c.weight_version] * len(c.response_ids),
+        )
         for p, c, t, r in zip(expanded, completions, texts, rewards, strict=True)
     ]
+
+
+def inadmissible(versions: list[int | None], newest: int, max_staleness: int | None) -> int | None:
+    """The admission rule for samples: the first version that is newer than `newest` (weights
+    that do not exist yet) or more than `max_staleness` versions older (None: any age); None when
+    every version is admitted. Synchronous training admits only `newest` itself (staleness 0)."""
+    for version in versions:
+        if version is None:
+            continue  # replayed samples of files that did not record it
+        if version > newest or (max_staleness is not None and newest - version > max_staleness):
+            return version
+    return None
 
 
 def evaluate(

@@ -78,7 +78,9 @@ def aimed_random_kills(
 # ---------------------------------------------------------------- running
 
 
-def train_command(args: Sequence[object], save_dir: str | Path, nproc: int = 1) -> list[str]:
+def train_command(
+    args: Sequence[object], save_dir: str | Path, nproc: int = 1, subcommand: str = "train"
+) -> list[str]:
     save = str(save_dir)
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
     return [
@@ -86,7 +88,7 @@ def train_command(args: Sequence[object], save_dir: str | Path, nproc: int = 1) 
         *(launcher if nproc > 1 else []),
         "-m",
         "mileage",
-        "train",
+        subcommand,
         *map(str, args),
         "--save",
         save,
@@ -105,8 +107,9 @@ def launch(
     timeout: float = 900.0,
     env: dict[str, str] | None = None,
     nproc: int = 1,
+    subcommand: str = "train",
 ) -> Launch:
-    """Run the train command once, killed as `kill` says; returns when the process has exited."""
+    """Run the train command (`subcommand`: train or train-async) once, killed as `kill` says; returns when the process has exited."""
     full_env = {
         k: v
         for k, v in os.environ.items()
@@ -120,7 +123,7 @@ def launch(
     outside = kill is not None and kill.delay is not None
     started = time.monotonic()
     proc = subprocess.Popen(
-        train_command(args, save_dir, nproc),
+        train_command(args, save_dir, nproc, subcommand),
         start_new_session=True,  # its own process group: a kill from outside takes every rank
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -171,9 +174,10 @@ def run_uninterrupted(
     timeout: float = 900.0,
     env: dict[str, str] | None = None,
     nproc: int = 1,
+    subcommand: str = "train",
 ) -> Launch:
     """The reference run: one launch into a new `save_dir` that must exit 0."""
-    done = launch(args, save_dir, timeout=timeout, env=env, nproc=nproc)
+    done = launch(args, save_dir, timeout=timeout, env=env, nproc=nproc, subcommand=subcommand)
     if done.returncode != 0 or done.timed_out:
         raise CrashHarnessError(
             f"uninterrupted run exited with {done.returncode}"
@@ -192,6 +196,7 @@ def run_with_kills(
     env: dict[str, str] | None = None,
     log: Callable[[str], None] | None = None,
     nproc: int = 1,
+    subcommand: str = "train",
 ) -> list[Outcome]:
     """Launch once per kill (each launch resumes from what the previous ones left), then rerun
     the plain command until it exits 0, at most `max_reruns` times; one Outcome per kill.
@@ -232,7 +237,9 @@ def run_with_kills(
             owner.append(-1)
             say(f"{kill.label}: not reached, the run had finished")
             continue
-        run = launch(args, save_dir, kill, timeout=timeout, env=env, nproc=nproc)
+        run = launch(
+            args, save_dir, kill, timeout=timeout, env=env, nproc=nproc, subcommand=subcommand
+        )
         record(run)
         outcome = _observe(kill, run, save_dir, num_rollout)
         outcomes.append(outcome)
@@ -244,7 +251,7 @@ def run_with_kills(
 
     reruns = 0
     while not finished and reruns < max_reruns:
-        run = launch(args, save_dir, timeout=timeout, env=env, nproc=nproc)
+        run = launch(args, save_dir, timeout=timeout, env=env, nproc=nproc, subcommand=subcommand)
         record(run)
         reruns += 1
         say(f"rerun {reruns}: rc {run.returncode} after {run.seconds:.1f}s")

@@ -34,7 +34,12 @@ SAVE_POINTS = (
 COMMITTED_SAVE_POINTS = ("commit_after_tracker", "save_after_prune")
 
 
-KILL_POINTS = LOOP_POINTS + SAVE_POINTS
+# `mileage train-async` only: in the generation thread while the trainer trains (slot N+1
+# during rollout N), right before the engine gets new weights, and halfway through copying them
+ASYNC_POINTS = ("async_generating", "before_weight_sync", "mid_weight_sync")
+
+
+KILL_POINTS = LOOP_POINTS + SAVE_POINTS + ASYNC_POINTS
 
 
 # PPO only: the critic is written into the same staging directory, after the actor's optimizer

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from mileage.errors import UserError
+from mileage.faults import fault_point
 from mileage.rollout.engine import Completion, SamplingParams
 from mileage.rollout.engines.base import SamplingSeed, check_sample
 from mileage.rollout.engines.broadcast import BroadcastWeights
@@ -115,7 +116,9 @@ class SGLangEngine:
                 )
             self.weight_version = version
             return
-        self.load_weights_from(self.weights.write(model), version)
+        path = self.weights.write(model)
+        fault_point("mid_weight_sync")  # written, not yet loaded by the servers
+        self.load_weights_from(path, version)
 
     def load_weights_from(self, path, version: int) -> None:
         """Every server loads the HF directory at `path` and labels it `version`; a server that
