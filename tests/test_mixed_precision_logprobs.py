@@ -62,9 +62,9 @@ def test_old_logprobs_come_from_the_losss_precision(builtin_model, matches):
         # recomputed in bf16: the ratio is exactly 1 and the fp32/bf16 gap is logged
         assert torch.equal(ratio, torch.ones_like(ratio))
         assert mismatch["logprob_abs_diff"] > 1e-4
-        assert actor.train_rollout(batch)["kl"] == 0.0
+        assert actor.train_rollout(batch)["ppo_kl"] == 0.0
     else:
         # the fp32 engine's log-probs taken as the bf16 loss's old policy: not 1
         assert mismatch == {}
         assert not torch.equal(ratio, torch.ones_like(ratio))
-        assert actor.train_rollout(batch)["kl"] != 0.0
+        assert actor.train_rollout(batch)["ppo_kl"] != 0.0

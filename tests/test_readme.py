@@ -101,16 +101,20 @@ def test_every_mileage_command_in_the_readme_parses():
 
 @pytest.fixture(scope="module")
 def train_help() -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "mileage", "train", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    """`mileage train --help` and `mileage train-async --help` (the async flags are its own)."""
+    texts = []
+    for command in ("train", "train-async"):
+        done = subprocess.run(
+            [sys.executable, "-m", "mileage", command, "--help"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        assert done.returncode == 0, done.stderr
+        texts.append(done.stdout)
+    return "\n".join(texts)
 
 
 def help_flags(help_text: str) -> dict[str, set[str] | None]:
@@ -129,7 +133,9 @@ def test_flags_at_a_glance_are_in_train_help_with_their_choices(train_help):
     assert len(readme) > 60, "the table lost its flags"
     known = help_flags(train_help)
     missing = sorted({flag for flag, _ in readme if flag not in known})
-    assert not missing, f"README flags missing from `mileage train --help`: {missing}"
+    assert not missing, (
+        f"README flags missing from `mileage train --help` and `train-async --help`: {missing}"
+    )
     for flag, choices in readme:
         if choices:
             assert known[flag] is not None, f"{flag}: README lists choices, --help none"
