@@ -10,16 +10,30 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from mileage.checkpoint.layout import RELEASE, scan_dir
-from mileage.checkpoint.meta import checkpoint_meta, model_source
+from mileage.checkpoint.layout import META, RELEASE, scan_dir
+from mileage.checkpoint.meta import checkpoint_meta, model_source, recorded_lora
 from mileage.checkpoint.store import CheckpointState, commit_checkpoint, verify_checkpoint
-from mileage.checkpoint.tensors import load_model_weights, model_tensors
+from mileage.checkpoint.tensors import (
+    MODEL_DIR,
+    load_model_weights,
+    load_tensors,
+    model_tensors,
+    tensor_digest,
+)
 from mileage.errors import UserError
 from mileage.models.hf import empty_causal_lm, load_causal_lm, load_tokenizer, read_config_json
+from mileage.models.lora import (
+    ADAPTER_CONFIG,
+    LoraConfig,
+    adapter_tensors,
+    apply_lora,
+    save_adapter,
+)
 
 
 def check_export_target(out: Path) -> None:
@@ -27,24 +41,38 @@ def check_export_target(out: Path) -> None:
     a mistyped path must not cost the user a file or a folder of other things."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file; choose a directory path to export to")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+    if (
+        out.is_dir()
+        and any(out.iterdir())
+        and not (out / "config.json").is_file()
+        and not (out / ADAPTER_CONFIG).is_file()
+    ):
         raise UserError(
-            f"{out} is a non-empty directory that is not a Hugging Face model; "
+            f"{out} is a non-empty directory that is not a Hugging Face model or adapter; "
             "choose a new or empty directory"
         )
 
 
 def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
     """save_pretrained(model + tokenizer) into `out`, atomically (see `check_export_target`)."""
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+
+    return write_atomically(out, write)
+
+
+def write_atomically(out: str | Path, write: Callable[[Path], None]) -> Path:
+    """`write` into a staging directory beside `out`, then rename it to `out`."""
     out = Path(out)
     check_export_target(out)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        model.save_pretrained(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
+        write(staging)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.rename(out, old)
@@ -74,12 +102,56 @@ def write_release(hf_checkpoint: str | Path, save_dir: str | Path) -> Path:
     )
 
 
-def export_hf(checkpoint: str | Path, hf_checkpoint: str | Path, out: str | Path) -> Path:
-    """Weights of a native checkpoint + config/tokenizer of `hf_checkpoint` -> an HF directory."""
+def export_hf(
+    checkpoint: str | Path, hf_checkpoint: str | Path, out: str | Path, adapter_only: bool = False
+) -> Path:
+    """Weights of a native checkpoint + config/tokenizer of `hf_checkpoint` -> an HF directory.
+
+    A LoRA checkpoint gives the merged model (W + scale * B @ A on its recorded base), or with
+    `adapter_only` the adapter in PEFT's format (adapter_config.json + adapter_model.safetensors).
+    """
     problems = verify_checkpoint(checkpoint)
     if problems:
         raise UserError(f"checkpoint {checkpoint} is not usable: {problems[0]}")
+    lora = recorded_lora(checkpoint)
+    if lora is None and adapter_only:
+        raise UserError(f"{checkpoint} holds full weights, not a LoRA adapter; drop --adapter-only")
     tokenizer = load_tokenizer(hf_checkpoint)
-    model = empty_causal_lm(hf_checkpoint)
-    load_model_weights(checkpoint, model)
-    return write_hf_dir(model, tokenizer, out)
+    if lora is None:
+        model = empty_causal_lm(hf_checkpoint)
+        load_model_weights(checkpoint, model)
+        return write_hf_dir(model, tokenizer, out)
+    peft_model = _adapted_model(checkpoint, lora, hf_checkpoint)
+    if adapter_only:
+        return write_atomically(
+            out, lambda staging: save_adapter(peft_model, staging, lora["base"])
+        )
+    # merged in PEFT's float order: W + (B @ A) * scale, once, as PEFT and vLLM merge it
+    return write_hf_dir(peft_model.merge_and_unload(), tokenizer, out)
+
+
+def _adapted_model(checkpoint: str | Path, lora: dict, hf_checkpoint: str | Path):
+    """The recorded base (checked against its digest) with the checkpoint's adapter loaded."""
+    base_path = Path(lora["base"]["path"])
+    if (base_path / "config.json").is_file():
+        base = load_causal_lm(base_path)
+    elif (base_path / META).is_file():  # raw mode: a native release/iteration as the base
+        base = empty_causal_lm(hf_checkpoint)
+        load_model_weights(base_path, base)
+    else:
+        raise UserError(f"{checkpoint} is an adapter of {base_path}, which no longer exists")
+    digest = tensor_digest(model_tensors(base))
+    if digest != lora["base"]["weights_sha256"]:
+        raise UserError(
+            f"{checkpoint} is an adapter of {base_path} as it was (weights "
+            f"{lora['base']['weights_sha256'][:12]}); its weights are now {digest[:12]}"
+        )
+    config = LoraConfig(
+        lora_rank=lora["lora_rank"],
+        lora_alpha=lora["lora_alpha"],
+        lora_dropout=lora["lora_dropout"],
+        target_modules=",".join(lora["target_modules"]),
+    )
+    peft_model, _ = apply_lora(base, config, seed=0)
+    load_tensors(Path(checkpoint) / MODEL_DIR, into=adapter_tensors(peft_model.get_base_model()))
+    return peft_model

@@ -9,14 +9,13 @@ tensors, so a resume on another base stops with both named instead of training n
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mileage.checkpoint.layout import META
+from mileage.checkpoint.meta import recorded_lora
 from mileage.checkpoint.tensors import MODEL_DIR, load_tensors, model_tensors, tensor_digest
 from mileage.errors import UserError
 from mileage.models.lora import (
@@ -27,8 +26,6 @@ from mileage.models.lora import (
     apply_lora,
     load_adapter,
 )
-
-META_KEY = "lora"
 
 
 @dataclass
@@ -54,16 +51,6 @@ def base_record(model: torch.nn.Module, path: str) -> dict:
         "path": str(Path(path).resolve()),
         "weights_sha256": tensor_digest(model_tensors(model)),
     }
-
-
-def recorded_lora(checkpoint: str | Path) -> dict | None:
-    """The `lora` entry of a native checkpoint's meta.json; None for full-weight checkpoints."""
-    try:
-        meta = json.loads((Path(checkpoint) / META).read_text())
-    except (OSError, ValueError):
-        return None
-    entry = meta.get(META_KEY) if isinstance(meta, dict) else None
-    return entry if isinstance(entry, dict) else None
 
 
 def _flags_of(record: dict) -> str:
