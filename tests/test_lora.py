@@ -233,3 +233,34 @@ def test_merged_and_adapter_exports_generate_as_the_trainer(reference, builtin_m
     torch.testing.assert_close(m_logps, logps, rtol=0, atol=1e-5)
     # and the adapter matters: without it the log-probs are not those
     assert not torch.allclose(_greedy(load_causal_lm(builtin_model), prompt, 6)[1], logps)
+
+
+def test_the_reference_is_the_base_with_the_adapter_off(builtin_model):
+    from mileage.models.hf import load_causal_lm
+    from mileage.models.lora import LoraConfig, MergedView, adapter_tensors
+    from mileage.training.lora import build_lora_policy
+
+    cfg = LoraConfig(lora_rank=4, target_modules="q_proj,v_proj,down_proj")
+    policy = build_lora_policy(
+        cfg,
+        1,
+        (str(builtin_model), "hf"),
+        (str(builtin_model), "hf"),
+        False,
+        lambda path, fmt: load_causal_lm(path),
+        lambda line: None,
+    )
+    with torch.no_grad():  # a trained adapter: B is no longer zero
+        for name, tensor in adapter_tensors(policy.model).items():
+            tensor.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.tensor([[1, 4, 6, 8, 3]])
+    with torch.no_grad():
+        base = load_causal_lm(builtin_model)(input_ids=ids).logits
+        adapted = policy.model(input_ids=ids).logits
+        reference = policy.reference()(input_ids=ids).logits
+        merged = MergedView(policy.peft_model, str(builtin_model)).model(input_ids=ids).logits
+    assert torch.equal(reference, base)  # no second copy, and exactly the base
+    assert not torch.allclose(adapted, base, atol=1e-3)
+    torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)  # the engine fallback
+    # the base itself never trains
+    assert not any(p.requires_grad for n, p in policy.model.named_parameters() if ".lora_" not in n)
