@@ -49,6 +49,11 @@ PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
 BUILTIN = "tests/test_builtin_model.py"
 BENCH_PATHS = "tests/test_bench_paths.py"
+LORA = "tests/test_lora.py"
+LORA_CHAIN = f"{LORA}::test_kills_at_commit_points_resume_to_the_uninterrupted_tensors"
+LORA_N1 = f"{LORA}::test_a_relaunched_lora_run_resumes_at_the_next_rollout"
+LORA_REF = f"{LORA}::test_the_reference_is_the_base_with_the_adapter_off"
+LORA_BASE = f"{LORA}::test_resuming_on_another_base_exits_2_naming_both"
 
 
 @dataclass(frozen=True)
@@ -477,6 +482,40 @@ MUTANTS = [
         '    if path.suffix.lower() != ".json":\n',
         "    if True:\n",
         (BENCH_PATHS,),
+    ),
+    Mutant(
+        "lora-optimizer-state-not-saved",
+        "a LoRA checkpoint saves no optimizer state for the adapter",
+        "mileage/components.py",
+        "        optimizer=optimizer_tensors(run.model, run.actor.optimizer),\n",
+        "        optimizer=optimizer_tensors(run.model, run.actor.optimizer)\n"
+        "        if run.lora is None\n"
+        "        else {},\n",
+        (LORA_CHAIN, LORA_N1),
+    ),
+    Mutant(
+        "lora-reference-with-adapter",
+        "the KL reference is computed with the adapter enabled (the policy itself)",
+        "mileage/models/lora.py",
+        "            with self.peft_model.disable_adapter():\n",
+        "            with torch.no_grad():\n",
+        (LORA_REF,),
+    ),
+    Mutant(
+        "lora-dropout-in-generation",
+        "the adapter's dropout modules stay in training mode until the first optimizer step",
+        "mileage/models/lora.py",
+        "    wrapped.eval()\n",
+        "    pass\n",
+        (LORA_CHAIN, LORA_N1),
+    ),
+    Mutant(
+        "lora-base-digest-ignored",
+        "a LoRA checkpoint resumes on whatever base the run is given",
+        "mileage/training/lora.py",
+        '    if theirs_base.get("weights_sha256") != our_base["weights_sha256"]:\n',
+        "    if False:\n",
+        (LORA_BASE,),
     ),
 ]
 

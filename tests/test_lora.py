@@ -112,11 +112,14 @@ def test_a_relaunched_lora_run_resumes_at_the_next_rollout(reference, tmp_path):
 def test_no_nan_after_an_adapter_only_restore(reference, tmp_path):
     """miles#2572: NaN after restoring the adapter alone (no optimizer state)."""
     save = tmp_path / "run"
+    save.mkdir()
     source = checkpoint_path(reference, 1)
-    args = [*crash_run_args(num_rollout=4), *LORA]
-    done = launch([*args, "--load", str(reference), "--ckpt-step", "1", "--no-load-optim"], save)
+    shutil.copytree(source, save / source.name)
+    (save / "latest_checkpointed_iteration.txt").write_text("1\n")
+    done = launch([*ARGS, "--no-load-optim"], save)
     assert done.returncode == 0, done.tail()
-    assert "resume at rollout 2" in done.stdout
+    assert "plan: resume at rollout 2 of 4" in done.stdout, done.stdout
+    assert "also loads: rng, data position" in done.stdout, done.stdout
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_id"] for r in records] == [2, 3]
     for record in records:
@@ -140,7 +143,9 @@ def test_resuming_on_another_base_exits_2_naming_both(reference, builtin_model, 
     model.save_pretrained(other)
     save = tmp_path / "save"
     shutil.copytree(reference, save)
-    code = main(["train", *ARGS, "--hf-checkpoint", str(other), "--load", str(save)])
+    code = main(
+        ["train", *ARGS, "--num-rollout", "6", "--hf-checkpoint", str(other), "--load", str(save)]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert str(other) in err[0] and str(Path(builtin_model).resolve()) in err[0], err
@@ -264,3 +269,30 @@ def test_the_reference_is_the_base_with_the_adapter_off(builtin_model):
     torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)  # the engine fallback
     # the base itself never trains
     assert not any(p.requires_grad for n, p in policy.model.named_parameters() if ".lora_" not in n)
+
+
+def test_mileage_serve_generates_with_the_merged_adapter(builtin_model, tmp_path):
+    """An engine that takes no adapter gets merged weights on every sync, said once."""
+    from mileage.testing.servers import start_servers
+
+    (server,) = start_servers(builtin_model, 1)
+    try:
+        save = tmp_path / "run"
+        engine = ["--rollout-engine", "sglang", "--rollout-url", server.url]
+        done = run_uninterrupted(
+            [
+                *builtin_train_args("--num-rollout", "2", "--global-batch-size", "16"),
+                *LORA,
+                *engine,
+            ],
+            save,
+        )
+    finally:
+        server.stop()
+    assert done.stdout.count("given merged weights") == 1, done.stdout
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    # the server sampled with the weights the trainer had (merged, so equal to float rounding);
+    # the second rollout's weights carry a trained adapter, so a stale or unmerged sync shows
+    assert records[1]["global_step"] > 0
+    assert all(0 <= r["logprob_abs_diff"] < 1e-4 for r in records), records
+    assert_adapter_learned(save)

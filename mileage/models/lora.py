@@ -172,6 +172,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int):
         warnings.filterwarnings("ignore", category=FutureWarning)
         torch.manual_seed(derive_seed(seed, "lora_init", 0))
         wrapped = peft.get_peft_model(model, config)
+    # PEFT's new dropout modules start in training mode: generation (and a resumed run's first
+    # rollout) must see the eval-mode model the trainer leaves after each step
+    wrapped.eval()
     return wrapped, targets
 
 
