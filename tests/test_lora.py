@@ -132,7 +132,9 @@ def test_no_nan_after_an_adapter_only_restore(reference, tmp_path):
     assert any(not torch.equal(restored[k], final[k]) for k in restored)  # it trained on
 
 
-def test_resuming_on_another_base_exits_2_naming_both(reference, builtin_model, tmp_path, capsys):
+@pytest.fixture
+def other_base(builtin_model, tmp_path) -> Path:
+    """The built-in model with one tensor changed: same architecture, another base."""
     from mileage.models.hf import load_causal_lm
 
     other = tmp_path / "other_base"
@@ -141,14 +143,111 @@ def test_resuming_on_another_base_exits_2_naming_both(reference, builtin_model, 
     with torch.no_grad():
         model.model.norm.weight.mul_(1.01)
     model.save_pretrained(other)
+    return other
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mileage: error: "), err
+    return err[0]
+
+
+def test_resuming_on_another_base_exits_2_naming_both(
+    reference, builtin_model, other_base, tmp_path, capsys
+):
     save = tmp_path / "save"
     shutil.copytree(reference, save)
     code = main(
-        ["train", *ARGS, "--num-rollout", "6", "--hf-checkpoint", str(other), "--load", str(save)]
+        [
+            "train",
+            *ARGS,
+            "--num-rollout",
+            "6",
+            "--hf-checkpoint",
+            str(other_base),
+            "--load",
+            str(save),
+        ]
     )
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1, err
-    assert str(other) in err[0] and str(Path(builtin_model).resolve()) in err[0], err
+    line = one_error_line(capsys)
+    assert code == 2 and str(other_base) in line and str(Path(builtin_model).resolve()) in line
+
+
+def test_lora_adapter_path_starts_from_an_exported_adapter_of_this_base_only(
+    reference, builtin_model, other_base, tmp_path, capsys
+):
+    from mileage.models.hf import load_causal_lm
+    from mileage.models.lora import LoraConfig, adapter_tensors
+    from mileage.training.lora import build_lora_policy
+
+    adapter = tmp_path / "adapter"
+    assert (
+        main(["export-hf", "--load", str(reference), "--out", str(adapter), "--adapter-only"]) == 0
+    )
+    capsys.readouterr()  # export-hf's own lines
+    trained = load_tensors(final_checkpoint(reference) / MODEL_DIR)
+    cfg = LoraConfig(
+        lora_rank=8,
+        lora_alpha=16,
+        target_modules="all-linear",
+        exclude_modules="gate_proj",
+        lora_adapter_path=str(adapter),
+    )
+
+    def policy_on(base: Path):
+        return build_lora_policy(
+            cfg,
+            5,
+            (str(base), "hf"),
+            (str(base), "hf"),
+            False,
+            lambda path, fmt: load_causal_lm(path),
+            lambda line: None,
+        )
+
+    started = adapter_tensors(policy_on(builtin_model).model)
+    assert set(started) == set(trained)
+    assert all(torch.equal(started[k], trained[k]) for k in trained)
+
+    # the same adapter on another base: refused, naming both
+    save = tmp_path / "save"
+    flags = ["--lora-rank", "8", "--target-modules", "all-linear", "--exclude-modules", "gate_proj"]
+    code = main(
+        [
+            "train",
+            *builtin_train_args("--num-rollout", "1", "--save", str(save)),
+            *flags,
+            "--hf-checkpoint",
+            str(other_base),
+            "--lora-adapter-path",
+            str(adapter),
+        ]
+    )
+    line = one_error_line(capsys)
+    assert code == 2 and "is an adapter of" in line and str(other_base) in line, line
+    assert str(Path(builtin_model).resolve()) in line
+    assert not (save / "latest_checkpointed_iteration.txt").exists()
+
+    # a foreign adapter (no mileage record) whose shapes do not fit: refused in one line
+    (adapter / "mileage_base.json").unlink()
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file(
+        {k: v[..., :-1].contiguous() for k, v in tensors.items()},
+        str(adapter / "adapter_model.safetensors"),
+    )
+    code = main(
+        [
+            "train",
+            *builtin_train_args("--num-rollout", "1", "--save", str(save)),
+            *flags,
+            "--lora-adapter-path",
+            str(adapter),
+        ]
+    )
+    line = one_error_line(capsys)
+    assert code == 2 and "does not fit this run's base" in line, line
 
 
 @pytest.mark.parametrize(
@@ -296,3 +395,14 @@ def test_mileage_serve_generates_with_the_merged_adapter(builtin_model, tmp_path
     assert records[1]["global_step"] > 0
     assert all(0 <= r["logprob_abs_diff"] < 1e-4 for r in records), records
     assert_adapter_learned(save)
+
+
+def test_lora_under_torchrun_is_refused_with_what_works_instead():
+    from mileage.errors import UserError
+    from mileage.models.lora import LoraConfig
+
+    with pytest.raises(
+        UserError, match="not supported under torchrun yet; train the adapter in one"
+    ):
+        LoraConfig(lora_rank=4, target_modules="q_proj").validate(world_size=2)
+    LoraConfig(lora_rank=4, target_modules="q_proj").validate(world_size=1)
