@@ -54,6 +54,9 @@ LORA_CHAIN = f"{LORA}::test_kills_at_commit_points_resume_to_the_uninterrupted_t
 LORA_N1 = f"{LORA}::test_a_relaunched_lora_run_resumes_at_the_next_rollout"
 LORA_REF = f"{LORA}::test_the_reference_is_the_base_with_the_adapter_off"
 LORA_BASE = f"{LORA}::test_resuming_on_another_base_exits_2_naming_both"
+LORA_ADAPTER = f"{LORA}::test_lora_adapter_path_starts_from_an_exported_adapter_of_this_base_only"
+LORA_SERVE = f"{LORA}::test_mileage_serve_generates_with_the_merged_adapter"
+LORA_DROPOUT = f"{LORA}::test_dropout_masks_depend_on_seed_and_step_not_on_the_rng_stream"
 
 
 @dataclass(frozen=True)
@@ -516,6 +519,30 @@ MUTANTS = [
         '    if theirs_base.get("weights_sha256") != our_base["weights_sha256"]:\n',
         "    if False:\n",
         (LORA_BASE,),
+    ),
+    Mutant(
+        "lora-adapter-base-unchecked",
+        "--lora-adapter-path loads an adapter of another base when the shapes fit",
+        "mileage/models/lora.py",
+        '    if recorded and recorded.get("weights_sha256") != base["weights_sha256"]:\n',
+        "    if False:\n",
+        (LORA_ADAPTER,),
+    ),
+    Mutant(
+        "lora-dropout-not-indexed",
+        "the adapter's dropout masks come from the global RNG stream, not from (seed, step)",
+        "mileage/training/actor.py",
+        "        if self.dropout_seed is None:\n",
+        "        if True:\n",
+        (LORA_DROPOUT,),
+    ),
+    Mutant(
+        "lora-merged-sync-stale",
+        "a remote engine keeps the merged weights of the start (the view is never refreshed)",
+        "mileage/training/lora.py",
+        "        self.engine.update_weights(self.view.refresh(), version)\n",
+        "        self.engine.update_weights(self.view.model, version)\n",
+        (LORA_SERVE,),
     ),
 ]
 

@@ -109,13 +109,35 @@ def test_a_relaunched_lora_run_resumes_at_the_next_rollout(reference, tmp_path):
     assert compare_runs(reference, save) == []
 
 
+def resume_copy(reference: Path, save: Path, iteration: int) -> None:
+    """`save` holding only iter_`iteration` of `reference`, tracked."""
+    save.mkdir()
+    source = checkpoint_path(reference, iteration)
+    shutil.copytree(source, save / source.name)
+    (save / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+
+
+def test_dropout_masks_depend_on_seed_and_step_not_on_the_rng_stream(reference, tmp_path):
+    """A resume without the global RNG (--no-load-rng) still draws the same dropout masks:
+    the adapter and its optimizer state end equal to the uninterrupted run's."""
+    from mileage.testing.compare import compare_tensors
+
+    save = tmp_path / "run"
+    resume_copy(reference, save, 1)
+    done = launch([*ARGS, "--no-load-rng"], save)
+    assert done.returncode == 0, done.tail()
+    assert "also loads: optimizer, data position" in done.stdout, done.stdout
+    ours, theirs = final_checkpoint(save), final_checkpoint(reference)
+    assert ours.name == theirs.name
+    for sub in (MODEL_DIR, OPTIMIZER_DIR):
+        assert compare_tensors(sub, load_tensors(ours / sub), load_tensors(theirs / sub)) == []
+
+
 def test_no_nan_after_an_adapter_only_restore(reference, tmp_path):
     """miles#2572: NaN after restoring the adapter alone (no optimizer state)."""
     save = tmp_path / "run"
-    save.mkdir()
     source = checkpoint_path(reference, 1)
-    shutil.copytree(source, save / source.name)
-    (save / "latest_checkpointed_iteration.txt").write_text("1\n")
+    resume_copy(reference, save, 1)
     done = launch([*ARGS, "--no-load-optim"], save)
     assert done.returncode == 0, done.tail()
     assert "plan: resume at rollout 2 of 4" in done.stdout, done.stdout
