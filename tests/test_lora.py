@@ -18,7 +18,7 @@ import torch
 from conftest import builtin_train_args
 
 from mileage.checkpoint.layout import checkpoint_path, read_tracker
-from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, load_tensors
+from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, load_tensors, tensor_digest
 from mileage.cli.main import main
 from mileage.testing.compare import compare_runs
 from mileage.testing.crash import launch, outcome_table, run_uninterrupted, run_with_kills
@@ -71,7 +71,7 @@ def reference(builtin_model, tmp_path_factory) -> Path:
     return save
 
 
-def test_checkpoint_holds_the_adapter_and_records_its_base(reference, builtin_model):
+def test_checkpoint_holds_the_adapter_and_records_its_base(reference, builtin_model, capsys):
     ckpt = final_checkpoint(reference)
     meta = json.loads((ckpt / "meta.json").read_text())
     lora = meta["lora"]
@@ -85,6 +85,12 @@ def test_checkpoint_holds_the_adapter_and_records_its_base(reference, builtin_mo
     base_bytes = sum(f.stat().st_size for f in Path(builtin_model).glob("*.safetensors"))
     adapter_bytes = sum(v.numel() * v.element_size() for v in model.values())
     assert adapter_bytes < 0.05 * base_bytes
+    # the checkpoint tools need nothing LoRA-specific
+    assert main(["ckpt", "verify", str(reference)]) == 0
+    capsys.readouterr()
+    assert main(["ckpt", "ls", str(reference), "--json"]) == 0
+    (tracked,) = [row for row in json.loads(capsys.readouterr().out) if row["tracked"]]
+    assert tracked["name"] == ckpt.name and tracked["model_digest"] == tensor_digest(model)
 
 
 def test_kills_at_commit_points_resume_to_the_uninterrupted_tensors(reference, tmp_path):
