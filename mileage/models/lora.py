@@ -200,6 +200,10 @@ class AdapterDisabled:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    def to(self, *args, **kwargs) -> AdapterDisabled:
+        """Nothing to move: the weights are the policy's, which move with it."""
+        return self
+
 
 def merged_weight(layer) -> torch.Tensor:
     """W + scale * B @ A of one LoRA layer, without touching W (merging in place and back
