@@ -257,6 +257,7 @@ class MergedView:
 
 def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """adapter_config.json and the tensors of a PEFT adapter directory (one-line errors)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -270,7 +271,7 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     try:
         config = json.loads(config_file.read_text())
         tensors = load_file(str(weights))
-    except Exception as exc:  # a corrupt file of any kind: one line
+    except (OSError, ValueError, SafetensorError) as exc:  # a corrupt file: one line
         raise UserError(f"--lora-adapter-path {path} is unreadable: {exc}") from None
     return config, tensors
 
@@ -279,7 +280,7 @@ def load_adapter(
     peft_model, path: str | Path, cfg: LoraConfig, targets: list[str], base: dict
 ) -> None:
     """Load a PEFT adapter into the run's adapter; refuses one of another base or shape."""
-    from peft import set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     config, tensors = read_adapter(path)
     recorded = _read_base_record(Path(path))
@@ -296,7 +297,7 @@ def load_adapter(
             f"--lora-adapter-path {path} has rank {theirs['r']}, alpha {theirs['lora_alpha']}; "
             f"pass --lora-rank {theirs['r']} --lora-alpha {theirs['lora_alpha']}"
         )
-    expected = {k for k in get_adapter_keys(peft_model)}
+    expected = set(get_peft_model_state_dict(peft_model))
     try:
         result = set_peft_model_state_dict(peft_model, tensors)
     except RuntimeError as exc:  # shapes that do not fit: another base model
@@ -306,22 +307,12 @@ def load_adapter(
             f"(an adapter of {config.get('base_model_name_or_path')}?): {first}"
         ) from None
     unexpected = [k for k in result.unexpected_keys if "lora_" in k]
-    missing = sorted(expected - set(_loaded_keys(tensors)))
+    missing = sorted(expected - set(tensors))
     if unexpected or missing:
         raise UserError(
             f"--lora-adapter-path {path} targets other modules than --target-modules "
             f"{','.join(targets)} (e.g. {(unexpected or missing)[0]})"
         )
-
-
-def get_adapter_keys(peft_model) -> list[str]:
-    from peft import get_peft_model_state_dict
-
-    return list(get_peft_model_state_dict(peft_model))
-
-
-def _loaded_keys(tensors: dict) -> list[str]:
-    return list(tensors)
 
 
 def _read_base_record(path: Path) -> dict | None:
