@@ -55,6 +55,7 @@ from mileage.models.hf import (
     read_config_json,
     require_chat_template,
 )
+from mileage.models.lora import adapter_tensors
 from mileage.models.tensors import model_tensors
 from mileage.models.tiny import (
     build_char_tokenizer,
@@ -81,6 +82,12 @@ from mileage.seeding import capture_rng_state, configure_determinism, restore_rn
 from mileage.tracking import build_trackers, check_tracking, new_wandb_run_id
 from mileage.training.actor import Actor
 from mileage.training.critic import build_critic, critic_checkpoint_state, restore_critic
+from mileage.training.lora import (
+    LoraPolicy,
+    MergedWeightsEngine,
+    build_lora_policy,
+    refuse_adapter_without_lora,
+)
 from mileage.training.optimizer import build_optimizer, build_schedule
 
 
@@ -194,6 +201,7 @@ class Run:
     model_config: dict
     model_source: dict  # what meta.json records the run was trained from
     wandb_run_id: str | None  # kept in the trainer state, so a resumed run continues the W&B run
+    lora: LoraPolicy | None = None  # --lora-rank: the model is the base with a PEFT adapter
 
     @property
     def model(self) -> torch.nn.Module:
@@ -244,10 +252,28 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     tokenizer = load_tokenizer(config_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = _load_weights(plan.weights_from, plan.weights_format, config_dir)
-    reference = None
-    if cfg.algo.needs_reference:
+    ref_path, ref_fmt = None, None
+    if cfg.lora.enabled or cfg.algo.needs_reference:  # a LoRA base is the reference's source
         ref_path, ref_fmt = reference_source(flags, gather_disk_state(flags, None))
+    reference, lora = None, None
+    if cfg.lora.enabled:
+        lora = build_lora_policy(
+            cfg.lora,
+            cfg.loop.seed,
+            (plan.weights_from, plan.weights_format),
+            (ref_path, ref_fmt),
+            plan.action == RESUME,
+            lambda path, fmt: _load_weights(path, fmt, config_dir),
+            log,
+        )
+        model = lora.model
+        if cfg.algo.needs_reference:
+            reference = lora.reference()
+            log(f"reference model: the base {lora.base['path']} (adapter disabled)")
+    else:
+        refuse_adapter_without_lora(plan.weights_from, plan.weights_format)
+        model = _load_weights(plan.weights_from, plan.weights_format, config_dir)
+    if cfg.algo.needs_reference and lora is None:
         reference = _load_weights(ref_path, ref_fmt, config_dir).requires_grad_(False)
         log(f"reference model: {ref_path} ({ref_fmt})")
     if not env.is_distributed():
@@ -259,6 +285,8 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     engine = None
     if not cfg.rollout.load_debug_rollout_data:
         engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
+        if lora is not None and not engine.in_process:
+            engine = MergedWeightsEngine(engine, lora, config_dir, log)
     if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
         local = engine is not None and engine.in_process
         model, reference, generation_copy = shard_run_models(
@@ -302,6 +330,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         clip_grad=cfg.optim.clip_grad,
         reference=reference,
         critic=critic,
+        dropout_seed=cfg.loop.seed if lora is not None and cfg.lora.lora_dropout else None,
     )
     resumed = read_json(plan.weights_from, TRAINER_STATE) if plan.action == RESUME else {}
     wandb_run_id = resumed.get("tracking", {}).get("wandb_run_id")
@@ -341,6 +370,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             config_dir, None if cfg.checkpoint.hf_checkpoint else cfg.data.builtin_task
         ),
         wandb_run_id=wandb_run_id,
+        lora=lora,
     )
 
 
@@ -380,8 +410,10 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
                 global_step=run.actor.critic.step,
             ),
         )
+    extra = {"lora": run.lora.record} if run.lora is not None else {}
     return CheckpointState(
-        model=model_tensors(run.model),
+        # LoRA: the adapter alone; the base is recorded in meta.json, not copied
+        model=adapter_tensors(run.model) if run.lora is not None else model_tensors(run.model),
         optimizer=optimizer_tensors(run.model, run.actor.optimizer),
         rng=rng_tensors,
         trainer=trainer,
@@ -392,6 +424,7 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             global_step=run.actor.step,
             num_threads=run.cfg.loop.num_threads,
             seed=run.cfg.loop.seed,
+            **extra,
         ),
         critic=critic,
     )

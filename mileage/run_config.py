@@ -12,6 +12,7 @@ from mileage.config import add_options, flag_of, from_namespace, option
 from mileage.distributed import env
 from mileage.distributed.parallelize import ParallelConfig
 from mileage.errors import UserError
+from mileage.models.lora import LoraConfig
 from mileage.rollout.data import DataConfig
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.rewards import RewardConfig
@@ -94,6 +95,7 @@ SECTIONS = (
     ("algo", AlgoConfig, "algorithm"),
     ("critic", CriticConfig, "PPO critic"),
     ("optim", OptimConfig, "optimizer"),
+    ("lora", LoraConfig, "LoRA (PEFT)"),
     ("loop", LoopConfig, "loop"),
     ("parallel", ParallelConfig, "device and distributed (torchrun)"),
     ("tracking", TrackingConfig, "tracking"),
@@ -111,6 +113,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -210,6 +213,12 @@ class RunConfig:
             )
         self.engine.validate()
         self.mismatch.validate()
+        self.lora.validate(env.world_size())
+        if self.lora.enabled and self.algo.advantage_estimator == "ppo":
+            raise UserError(
+                "--lora-rank with --advantage-estimator ppo (a critic) is not supported yet; "
+                "use a critic-free estimator (grpo, gspo, reinforce_plus_plus) with LoRA"
+            )
 
     def num_rollout(self, num_prompts: int) -> int:
         if self.loop.num_rollout is not None:

@@ -70,6 +70,14 @@ ASYNC_CRASH = "tests/test_async_crash.py"
 ASYNC_RESUME = f"{ASYNC_CRASH}::test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run"
 ASYNC_ORDER = f"{ASYNC_CRASH}::test_one_step_off_trains_every_prompt_once_in_data_order"
 ASYNC_S0 = f"{ASYNC_CRASH}::test_staleness_zero_is_train_tensor_for_tensor"
+LORA = "tests/test_lora.py"
+LORA_CHAIN = f"{LORA}::test_kills_at_commit_points_resume_to_the_uninterrupted_tensors"
+LORA_N1 = f"{LORA}::test_a_relaunched_lora_run_resumes_at_the_next_rollout"
+LORA_REF = f"{LORA}::test_the_reference_is_the_base_with_the_adapter_off"
+LORA_BASE = f"{LORA}::test_resuming_on_another_base_exits_2_naming_both"
+LORA_ADAPTER = f"{LORA}::test_lora_adapter_path_starts_from_an_exported_adapter_of_this_base_only"
+LORA_SERVE = f"{LORA}::test_mileage_serve_generates_with_the_merged_adapter"
+LORA_DROPOUT = f"{LORA}::test_dropout_masks_depend_on_seed_and_step_not_on_the_rng_stream"
 
 
 @dataclass(frozen=True)
@@ -921,6 +929,64 @@ MUTANTS = [
         "        own = copy.deepcopy(model).eval()\n",
         "        own = copy.deepcopy(model).requires_grad_(False).eval()\n",
         (ASYNC_S0,),
+    ),
+    Mutant(
+        "lora-optimizer-state-not-saved",
+        "a LoRA checkpoint saves no optimizer state for the adapter",
+        "mileage/components.py",
+        "        optimizer=optimizer_tensors(run.model, run.actor.optimizer),\n",
+        "        optimizer=optimizer_tensors(run.model, run.actor.optimizer)\n"
+        "        if run.lora is None\n"
+        "        else {},\n",
+        (LORA_CHAIN, LORA_N1),
+    ),
+    Mutant(
+        "lora-reference-with-adapter",
+        "the KL reference is computed with the adapter enabled (the policy itself)",
+        "mileage/models/lora.py",
+        "            with self.peft_model.disable_adapter():\n",
+        "            with torch.no_grad():\n",
+        (LORA_REF,),
+    ),
+    Mutant(
+        "lora-dropout-in-generation",
+        "the adapter's dropout modules stay in training mode until the first optimizer step",
+        "mileage/models/lora.py",
+        "    wrapped.eval()\n",
+        "    pass\n",
+        (LORA_CHAIN, LORA_N1),
+    ),
+    Mutant(
+        "lora-base-digest-ignored",
+        "a LoRA checkpoint resumes on whatever base the run is given",
+        "mileage/training/lora.py",
+        '    if theirs_base.get("weights_sha256") != our_base["weights_sha256"]:\n',
+        "    if False:\n",
+        (LORA_BASE,),
+    ),
+    Mutant(
+        "lora-adapter-base-unchecked",
+        "--lora-adapter-path loads an adapter of another base when the shapes fit",
+        "mileage/models/lora.py",
+        '    if recorded and recorded.get("weights_sha256") != base["weights_sha256"]:\n',
+        "    if False:\n",
+        (LORA_ADAPTER,),
+    ),
+    Mutant(
+        "lora-dropout-not-indexed",
+        "the adapter's dropout masks come from the global RNG stream, not from (seed, step)",
+        "mileage/training/actor.py",
+        "        if self.dropout_seed is None:\n",
+        "        if True:\n",
+        (LORA_DROPOUT,),
+    ),
+    Mutant(
+        "lora-merged-sync-stale",
+        "a remote engine keeps the merged weights of the start (the view is never refreshed)",
+        "mileage/training/lora.py",
+        "        self.engine.update_weights(self.view.refresh(), version)\n",
+        "        self.engine.update_weights(self.view.model, version)\n",
+        (LORA_SERVE,),
     ),
 ]
 

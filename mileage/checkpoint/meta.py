@@ -84,6 +84,17 @@ def recorded_source(checkpoint: str | Path) -> dict | None:
     return source if isinstance(source, dict) else None
 
 
+def recorded_lora(checkpoint: str | Path) -> dict | None:
+    """The `lora` entry of a checkpoint's meta.json (adapter shape and base); None for full
+    weights or an unreadable meta.json (whose problem is reported where it is read)."""
+    try:
+        meta = json.loads((Path(checkpoint) / META).read_text())
+    except (OSError, ValueError):
+        return None
+    entry = meta.get("lora") if isinstance(meta, dict) else None
+    return entry if isinstance(entry, dict) else None
+
+
 def recorded_model_dir(checkpoint: str | Path, log) -> str:
     """The HF directory (config + tokenizer) `checkpoint` was trained from, as meta.json records it.
 

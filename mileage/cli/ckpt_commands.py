@@ -73,7 +73,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     config_dir = args.hf_checkpoint or recorded_model_dir(
         checkpoint, lambda line: print(line, file=sys.stderr)
     )
-    out = export_hf(checkpoint, config_dir, args.out)
+    out = export_hf(checkpoint, config_dir, args.out, adapter_only=args.adapter_only)
     print(f"wrote {out}")
     return 0
 
@@ -106,4 +106,9 @@ def register(sub) -> None:
         "it was trained from)",
     )
     export.add_argument("--out", required=True)
+    export.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA checkpoint: write the adapter in PEFT's format instead of the merged model",
+    )
     export.set_defaults(func=_export_hf)

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -108,29 +109,47 @@ def empty_causal_lm(config_dir: str | Path, dtype: torch.dtype = torch.float32) 
     return model.eval()
 
 
+# the file PEFT writes beside an adapter (an adapter directory may be replaced like a model's)
+ADAPTER_CONFIG = "adapter_config.json"
+
+
 def check_export_target(out: Path) -> None:
-    """An existing `out` is replaced only if it is an empty directory or an HF model directory:
-    a mistyped path must not cost the user a file or a folder of other things."""
+    """An existing `out` is replaced only if it is an empty directory or an HF model or adapter
+    directory: a mistyped path must not cost the user a file or a folder of other things."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file; choose a directory path to export to")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+    if (
+        out.is_dir()
+        and any(out.iterdir())
+        and not (out / "config.json").is_file()
+        and not (out / ADAPTER_CONFIG).is_file()
+    ):
         raise UserError(
-            f"{out} is a non-empty directory that is not a Hugging Face model; "
+            f"{out} is a non-empty directory that is not a Hugging Face model or adapter; "
             "choose a new or empty directory"
         )
 
 
 def write_hf_dir(model: torch.nn.Module, tokenizer, out: str | Path) -> Path:
     """save_pretrained(model + tokenizer) into `out`, atomically (see `check_export_target`)."""
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+
+    return write_atomically(out, write)
+
+
+def write_atomically(out: str | Path, write: Callable[[Path], None]) -> Path:
+    """`write` into a staging directory beside `out`, then rename it to `out`."""
     out = Path(out)
     check_export_target(out)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        model.save_pretrained(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
+        write(staging)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.rename(out, old)

@@ -10,11 +10,14 @@ default, token mean with `--calculate-per-token-loss`, as in miles.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from mileage.distributed import env
 from mileage.faults import fault_point
+from mileage.seeding import derive_seed
 from mileage.training.advantages import compute_advantages
 from mileage.training.algo import AlgoConfig, load_custom_loss
 from mileage.training.batch import TrainBatch
@@ -63,6 +66,7 @@ class Actor:
         clip_grad: float,
         reference: torch.nn.Module | None = None,
         critic: Critic | None = None,
+        dropout_seed: int | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -73,6 +77,9 @@ class Actor:
         self.clip_grad = clip_grad
         self.reference = reference
         self.critic = critic
+        # set when training uses dropout (LoRA): each optimizer step draws its dropout masks
+        # from a generator seeded by (seed, step), so a resumed run drops the same units
+        self.dropout_seed = dropout_seed
         self.step = 0
         self._custom_loss = None
 
@@ -129,11 +136,13 @@ class Actor:
             mask = batch.loss_mask[g_start : g_start + gbs]
             denominator = LossReducer.global_denominator(mask, per_token)
             self.optimizer.zero_grad(set_to_none=True)
-            for m_start, m_end in env.micro_batches(g_start, gbs, mbs):  # this rank's share
-                part = batch.slice(m_start, m_end)
-                stats = self._accumulate(part, LossReducer(part.loss_mask, per_token, denominator))
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value
+            with self._step_rng():
+                for m_start, m_end in env.micro_batches(g_start, gbs, mbs):  # this rank's share
+                    part = batch.slice(m_start, m_end)
+                    reduce = LossReducer(part.loss_mask, per_token, denominator)
+                    stats = self._accumulate(part, reduce)
+                    for key, value in stats.items():
+                        totals[key] = totals.get(key, 0.0) + value
             if self.clip_grad > 0:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
             else:
@@ -156,6 +165,19 @@ class Actor:
             grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], lrs=lrs, global_step=self.step
         )
         return result
+
+    @contextmanager
+    def _step_rng(self) -> Iterator[None]:
+        """Without dropout: nothing. With it: the global RNG of the policy's device, forked and
+        seeded for this optimizer step (the masks depend on (seed, step) alone)."""
+        if self.dropout_seed is None:
+            yield
+            return
+        device = next(self.model.parameters()).device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(derive_seed(self.dropout_seed, "dropout", self.step))
+            yield
 
     def _main_loss(self, part: TrainBatch, logp: torch.Tensor, reduce: LossReducer):
         algo = self.algo
