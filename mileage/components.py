@@ -61,6 +61,7 @@ from mileage.models.tiny import (
     ensure_builtin_model,
     tiny_llama_config,
 )
+from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
 from mileage.rollout.data import (
     Prompt,
     PromptSource,
@@ -68,6 +69,7 @@ from mileage.rollout.data import (
     load_train_prompts,
     task_reward,
 )
+from mileage.rollout.dynamic import GroupFilter, load_group_filter
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.factory import build_engine
@@ -124,6 +126,7 @@ class Preflight:
     prompts: list[Prompt]
     eval_prompts: list[Prompt] | None
     reward_fn: RewardFn
+    group_filter: GroupFilter | None = None  # --dynamic-sampling-filter-path
 
 
 def require_directories(**paths: str | None) -> None:
@@ -140,6 +143,8 @@ def preflight(cfg: RunConfig) -> Preflight:
     prompts = load_train_prompts(cfg.data)
     eval_prompts = load_eval_prompts(cfg.data)
     reward_fn = build_reward_fn(cfg.reward, task_reward(cfg.data))
+    filter_path = cfg.dynamic.dynamic_sampling_filter_path
+    group_filter = load_group_filter(filter_path) if filter_path else None
     check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)
     if cfg.checkpoint.hf_checkpoint:
@@ -160,7 +165,7 @@ def preflight(cfg: RunConfig) -> Preflight:
         # the built-in model is built on first use; plan as if it were there
         built = DirState(flags.hf_checkpoint, True, hf_config=model_config, hf_weights=True)
         disk = replace(disk, hf_checkpoint=built)
-    return Preflight(plan_start(flags, disk), flags, prompts, eval_prompts, reward_fn)
+    return Preflight(plan_start(flags, disk), flags, prompts, eval_prompts, reward_fn, group_filter)
 
 
 @dataclass
@@ -180,6 +185,9 @@ class Run:
     model_config: dict
     model_source: dict  # what meta.json records the run was trained from
     wandb_run_id: str | None  # kept in the trainer state, so a resumed run continues the W&B run
+    # dynamic sampling only: groups kept beyond a rollout's batch, saved with the data position
+    buffer: RolloutBuffer | None = None
+    group_filter: GroupFilter | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -313,7 +321,19 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             config_dir, None if cfg.checkpoint.hf_checkpoint else cfg.data.builtin_task
         ),
         wandb_run_id=wandb_run_id,
+        buffer=dynamic_buffer(cfg, plan),
+        group_filter=pre.group_filter,
     )
+
+
+def dynamic_buffer(cfg: RunConfig, plan: ResumePlan) -> RolloutBuffer | None:
+    """Dynamic sampling's buffer; its first slot (sampling seed) is the start rollout id, as
+    plain training seeds it, until a checkpoint's buffer says otherwise."""
+    if not cfg.dynamic.enabled:
+        return None
+    buffer = RolloutBuffer()
+    buffer.next_slot = plan.start_rollout_id
+    return buffer
 
 
 def restore(run: Run, log) -> None:
@@ -332,12 +352,17 @@ def restore(run: Run, log) -> None:
         restore_rng_state(rng_of_this_rank(load_rng_tensors(plan.weights_from)), trainer["rng"])
     if plan.load_data_state:
         run.data.load_state_dict(trainer["data"])
+        # the buffered groups belong to the data position: the prompts they hold were drawn
+        if run.buffer is not None and trainer.get(STATE_KEY):
+            run.buffer.load_state_dict(trainer[STATE_KEY])
     log(f"restored {plan.weights_from}: optimizer step {run.actor.step}, data {trainer['data']}")
 
 
 def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
     rng_tensors, rng_plain = capture_rng_state()
     trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain}
+    if run.buffer is not None:  # only then: runs without dynamic sampling stay byte-identical
+        trainer[STATE_KEY] = run.buffer.state_dict()
     if run.wandb_run_id:  # only then: runs without W&B keep byte-identical trainer states
         trainer["tracking"] = {"wandb_run_id": run.wandb_run_id}
     critic = None

@@ -13,6 +13,7 @@ from mileage.distributed import env
 from mileage.distributed.parallelize import ParallelConfig
 from mileage.errors import UserError
 from mileage.rollout.data import DataConfig
+from mileage.rollout.dynamic import DynamicSamplingConfig
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.engines.mismatch import MismatchConfig
 from mileage.rollout.rewards import RewardConfig
@@ -91,6 +92,7 @@ SECTIONS = (
     ("engine", EngineConfig, "rollout engine"),
     ("mismatch", MismatchConfig, "engine/trainer log-prob mismatch"),
     ("reward", RewardConfig, "reward"),
+    ("dynamic", DynamicSamplingConfig, "dynamic sampling (DAPO)"),
     ("algo", AlgoConfig, "algorithm"),
     ("critic", CriticConfig, "PPO critic"),
     ("optim", OptimConfig, "optimizer"),
@@ -108,6 +110,7 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    dynamic: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -210,6 +213,12 @@ class RunConfig:
             )
         self.engine.validate()
         self.mismatch.validate()
+        self.dynamic.validate()
+        if self.dynamic.enabled and env.world_size() > 1:
+            raise UserError(
+                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size) "
+                "is not supported under torchrun yet; run it as one process"
+            )
 
     def num_rollout(self, num_prompts: int) -> int:
         if self.loop.num_rollout is not None:

@@ -1,0 +1,192 @@
+"""DAPO's dynamic sampling for `mileage train`: draw prompts in rounds until a rollout has
+`--rollout-batch-size` groups the filter keeps.
+
+One rollout: first the groups left over by earlier rollouts (the `RolloutBuffer`, front first),
+then sampling rounds of `--over-sampling-batch-size` prompts each. Every group of a round is
+judged by the filter in submission order; kept groups fill the batch, and kept groups beyond it
+go to the back of the buffer for the next rollout. The buffer is saved in the trainer state of
+the same atomic commit as the data position, so every prompt the data source handed out is
+either trained, dropped by the filter (and counted), or in the saved buffer.
+
+Round k of the whole run samples with the seed of slot `buffer.next_slot`, a counter saved with
+the buffer, so a resumed run samples exactly what the uninterrupted run sampled. The first slot
+of a run is its start rollout id: with a filter that keeps everything and no over-sampling, a
+run equals plain `mileage train` tensor for tensor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mileage.config import option
+from mileage.errors import UserError
+from mileage.faults import fault_point
+from mileage.rollout.buffer import Group, RolloutBuffer
+from mileage.rollout.data import Prompt
+from mileage.rollout.rollout import Sample
+
+MILES_NONZERO_STD = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+MILEAGE_NONZERO_STD = "mileage.rollout.dynamic.check_reward_nonzero_std"
+
+# fn(run_config, samples_of_one_group) -> bool, or an object with `.keep` (and `.reason`)
+GroupFilter = Callable[[object, list[Sample]], object]
+
+
+@dataclass
+class DynamicSamplingConfig:
+    dynamic_sampling_filter_path: str | None = option(
+        None,
+        "keep a prompt's group only if fn(config, samples) is true (module.path.fn or "
+        f"module.path:fn); {MILES_NONZERO_STD} names the built-in 'rewards not all equal'",
+    )
+    over_sampling_batch_size: int | None = option(
+        None,
+        "prompts drawn per sampling round while a rollout has fewer than --rollout-batch-size "
+        "kept groups (default: --rollout-batch-size)",
+    )
+    dynamic_sampling_max_rounds: int = option(
+        10,
+        "sampling rounds one rollout may take before the run stops (exit 2) with the counts",
+    )
+    partial_rollout: bool = option(
+        False, "continue unfinished samples in a later rollout (not implemented yet: refused)"
+    )
+    mask_offpolicy_in_partial_rollout: bool = option(
+        False, "with --partial-rollout: train only on tokens of the current weights (refused)"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return (
+            self.dynamic_sampling_filter_path is not None
+            or self.over_sampling_batch_size is not None
+        )
+
+    def round_size(self, rollout_batch_size: int) -> int:
+        return self.over_sampling_batch_size or rollout_batch_size
+
+    def validate(self) -> None:
+        if self.partial_rollout or self.mask_offpolicy_in_partial_rollout:
+            raise UserError(
+                "--partial-rollout / --mask-offpolicy-in-partial-rollout are not implemented yet"
+            )
+        for name in ("over_sampling_batch_size", "dynamic_sampling_max_rounds"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def check_reward_nonzero_std(config: object, samples: list[Sample]) -> tuple[bool, str | None]:
+    """Keep a group whose rewards are not all equal (its GRPO advantages are not all zero);
+    a dropped group's reason is miles' `zero_std_<reward rounded to 1 digit>`."""
+    rewards = [s.reward for s in samples]
+    # the sample standard deviation is > 0 exactly when two rewards differ; comparing avoids
+    # a float std that rounds to a tiny non-zero for equal rewards
+    if any(r != rewards[0] for r in rewards):
+        return True, None
+    return False, f"zero_std_{round(rewards[0], 1)}"
+
+
+def load_group_filter(path: str) -> GroupFilter:
+    """The user's filter, imported from the path the user named (miles' built-in's path is a
+    name for mileage's own equivalent: miles itself is not imported)."""
+    if path in (MILES_NONZERO_STD, MILEAGE_NONZERO_STD):
+        return check_reward_nonzero_std
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise UserError(
+            f"--dynamic-sampling-filter-path must look like module.path.function, got {path!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
+        raise UserError(
+            f"--dynamic-sampling-filter-path: cannot import {module_name!r}: {exc}"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(f"--dynamic-sampling-filter-path: {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def judge(fn: GroupFilter, config: object, samples: list[Sample]) -> tuple[bool, str]:
+    """(keep, reason) from a filter returning a bool, (keep, reason) or miles' DynamicFilterOutput."""
+    out = fn(config, samples)
+    if isinstance(out, tuple):
+        keep, reason = out
+    elif hasattr(out, "keep"):
+        keep, reason = out.keep, getattr(out, "reason", None)
+    else:
+        keep, reason = out, None
+    keep = bool(keep)
+    return keep, "" if keep else (reason or "filtered")
+
+
+@dataclass
+class Sampled:
+    """One rollout's groups (in the order they were accepted) and what it took to get them."""
+
+    groups: list[Group]
+    drawn: list[Prompt]  # every prompt the data source handed out for this rollout, in order
+    stats: dict
+
+
+def sample_dynamic(
+    buffer: RolloutBuffer,
+    draw: Callable[[int], list[Prompt]],
+    generate: Callable[[list[Prompt], int], list[Sample]],
+    keep: GroupFilter | None,
+    config: object,
+    cfg: DynamicSamplingConfig,
+    batch_size: int,
+    n_samples: int,
+    rollout_id: int,
+) -> Sampled:
+    """Fill one rollout: buffered groups first, then rounds of `draw(size)` prompts sampled by
+    `generate(prompts, slot)`; raises UserError (exit 2) when the round cap is reached."""
+    groups: list[Group] = []
+    while buffer.groups and len(groups) < batch_size:
+        groups.append(buffer.groups.popleft())
+    from_buffer = len(groups)
+    drawn: list[Prompt] = []
+    dropped: Counter[str] = Counter()
+    rounds = 0
+    while len(groups) < batch_size:
+        if rounds == cfg.dynamic_sampling_max_rounds:
+            reasons = ", ".join(f"{r} {c}" for r, c in sorted(dropped.items()))
+            raise UserError(
+                f"rollout {rollout_id}: dynamic sampling kept {len(groups)} of {batch_size} "
+                f"groups after {rounds} rounds ({len(drawn)} prompts drawn, "
+                f"{sum(dropped.values())} groups dropped: {reasons or 'none'}); raise "
+                "--dynamic-sampling-max-rounds or --over-sampling-batch-size, or filter less"
+            )
+        prompts = draw(cfg.round_size(batch_size))
+        slot = buffer.next_slot
+        buffer.next_slot += 1
+        samples = generate(prompts, slot)
+        rounds += 1
+        drawn += prompts
+        for start in range(0, len(samples), n_samples):
+            group = Group(slot, rollout_id, samples[start : start + n_samples])
+            kept, reason = (True, "") if keep is None else judge(keep, config, group.samples)
+            if not kept:
+                dropped[reason] += 1
+            elif len(groups) < batch_size:
+                groups.append(group)
+            else:  # accepted in submission order: what the batch has no room for waits
+                buffer.groups.append(group)
+        fault_point("after_sampling_round")
+    stats = {
+        "dynamic_filter/rounds": rounds,
+        "dynamic_filter/groups_drawn": len(drawn),
+        "dynamic_filter/groups_from_buffer": from_buffer,
+        "dynamic_filter/groups_kept": len(drawn) - sum(dropped.values()),
+        "dynamic_filter/groups_dropped": sum(dropped.values()),
+        "dynamic_filter/groups_buffered": len(buffer.groups),
+        **{f"dynamic_filter/drop_{r}": c for r, c in sorted(dropped.items())},
+        "drawn_prompt_indices": [p.index for p in drawn],
+    }
+    return Sampled(groups, drawn, stats)
