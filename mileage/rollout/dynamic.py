@@ -188,5 +188,7 @@ def sample_dynamic(
         "dynamic_filter/groups_buffered": len(buffer.groups),
         **{f"dynamic_filter/drop_{r}": c for r, c in sorted(dropped.items())},
         "drawn_prompt_indices": [p.index for p in drawn],
+        # the sampling round (slot) each trained group came from, beside "prompt_indices"
+        "group_slots": [g.slot for g in groups],
     }
     return Sampled(groups, drawn, stats)
