@@ -51,6 +51,14 @@ ASYNC_CRASH = "tests/test_async_crash.py"
 ASYNC_RESUME = f"{ASYNC_CRASH}::test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run"
 ASYNC_ORDER = f"{ASYNC_CRASH}::test_one_step_off_trains_every_prompt_once_in_data_order"
 ASYNC_S0 = f"{ASYNC_CRASH}::test_staleness_zero_is_train_tensor_for_tensor"
+DYNAMIC = "tests/test_dynamic_sampling.py"
+DYNAMIC_ROUNDS = f"{DYNAMIC}::test_rounds_fill_the_batch_in_submission_order_and_buffer_the_rest"
+DYNAMIC_ACCOUNT = (
+    f"{DYNAMIC}::test_no_trained_group_has_equal_rewards_and_every_drawn_prompt_is_accounted"
+)
+DYNAMIC_CRASH = (
+    f"{DYNAMIC}::test_kills_between_rounds_and_at_commits_resume_to_the_uninterrupted_run"
+)
 
 
 @dataclass(frozen=True)
@@ -503,6 +511,46 @@ MUTANTS = [
         "        own = copy.deepcopy(model).eval()\n",
         "        own = copy.deepcopy(model).requires_grad_(False).eval()\n",
         (ASYNC_S0,),
+    ),
+    Mutant(
+        "dynamic-filtered-group-trained",
+        "a group the dynamic-sampling filter drops is counted as dropped but still trained",
+        "mileage/rollout/dynamic.py",
+        "                dropped[reason] += 1\n            elif len(groups) < batch_size:",
+        "                dropped[reason] += 1\n            if len(groups) < batch_size:",
+        (DYNAMIC_ROUNDS, DYNAMIC_ACCOUNT),
+    ),
+    Mutant(
+        "dynamic-leftover-not-saved",
+        "checkpoints of dynamic sampling leave out the buffer of leftover kept groups",
+        "mileage/components.py",
+        "        trainer[STATE_KEY] = run.buffer.state_dict()\n",
+        "        pass\n",
+        (DYNAMIC_CRASH,),
+    ),
+    Mutant(
+        "dynamic-leftover-not-restored",
+        "a resumed dynamic-sampling run starts with an empty buffer (its leftover groups are lost)",
+        "mileage/components.py",
+        "            run.buffer.load_state_dict(trainer[STATE_KEY])\n",
+        "            pass\n",
+        (DYNAMIC_CRASH,),
+    ),
+    Mutant(
+        "dynamic-rounds-share-a-seed",
+        "every sampling round samples with the same seed slot (the slot counter never moves)",
+        "mileage/rollout/dynamic.py",
+        "        buffer.next_slot += 1\n",
+        "",
+        (DYNAMIC_ROUNDS,),
+    ),
+    Mutant(
+        "dynamic-buffer-newest-first",
+        "a rollout takes the newest buffered group first instead of submission order",
+        "mileage/rollout/dynamic.py",
+        "        groups.append(buffer.groups.popleft())\n",
+        "        groups.append(buffer.groups.pop())\n",
+        (DYNAMIC_ROUNDS,),
     ),
 ]
 
