@@ -19,7 +19,8 @@ from mileage.progress import RunProgress
 from mileage.rollout.dynamic import sample_dynamic
 from mileage.rollout.engines.mismatch import apply_mismatch
 from mileage.rollout.rollout import evaluate, generate_samples, load_samples, save_samples
-from mileage.training.batch import pack_samples
+from mileage.rollout.shaping import shape_rewards
+from mileage.training.batch import mask_truncated, pack_samples
 
 
 def can_eval(run: Run) -> bool:
@@ -122,7 +123,14 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             fault_point("after_generate")
 
             progress.phase(rollout_id, "train")
-            batch = pack_samples(samples, run.tokenizer.pad_token_id).to(run.device)
+            # the overlong penalty shapes the trained reward only: the filter, accuracy and
+            # reward_mean see the task's own reward
+            shaped = shape_rewards(samples, cfg.shaping, cfg.rollout.rollout_max_response_len)
+            batch = pack_samples(shaped, run.tokenizer.pad_token_id).to(run.device)
+            if cfg.shaping.overlong_buffer_len:
+                sampling["overlong_reward_mean"] = float(batch.rewards.mean())
+            if cfg.shaping.mask_truncated_completions:
+                sampling["truncated_masked"] = mask_truncated(batch, samples)
             mismatch = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
             stats = {**run.actor.train_rollout(batch), **mismatch, **sampling}
             trained = time.perf_counter()

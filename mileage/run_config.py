@@ -18,6 +18,7 @@ from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.engines.mismatch import MismatchConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
+from mileage.rollout.shaping import ShapingConfig
 from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
 from mileage.training.critic import CriticConfig
@@ -93,6 +94,7 @@ SECTIONS = (
     ("mismatch", MismatchConfig, "engine/trainer log-prob mismatch"),
     ("reward", RewardConfig, "reward"),
     ("dynamic", DynamicSamplingConfig, "dynamic sampling (DAPO)"),
+    ("shaping", ShapingConfig, "overlong shaping and truncation masking"),
     ("algo", AlgoConfig, "algorithm"),
     ("critic", CriticConfig, "PPO critic"),
     ("optim", OptimConfig, "optimizer"),
@@ -111,6 +113,7 @@ class RunConfig:
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     dynamic: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -214,6 +217,7 @@ class RunConfig:
         self.engine.validate()
         self.mismatch.validate()
         self.dynamic.validate()
+        self.shaping.validate(r.rollout_max_response_len)
         if self.dynamic.enabled and env.world_size() > 1:
             raise UserError(
                 "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size) "

@@ -36,6 +36,12 @@ def train_command(cfg: RunConfig, asynchronous: bool = False) -> int:
         from mileage.async_loop import check_async_run
 
         check_async_run(cfg, env.world_size())
+        shaping = cfg.shaping
+        if shaping.overlong_buffer_len or shaping.mask_truncated_completions:
+            raise UserError(
+                "--overlong-buffer-len / --mask-truncated-completions run in `mileage train` "
+                "only; train-async does not support them yet"
+            )
         if cfg.dynamic.enabled:
             raise UserError(
                 "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size) "
