@@ -69,7 +69,7 @@ from mileage.rollout.data import (
     load_train_prompts,
     task_reward,
 )
-from mileage.rollout.dynamic import GroupFilter, load_group_filter
+from mileage.rollout.dynamic import BufferFilter, GroupFilter, load_function, load_group_filter
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.factory import build_engine
@@ -127,6 +127,7 @@ class Preflight:
     eval_prompts: list[Prompt] | None
     reward_fn: RewardFn
     group_filter: GroupFilter | None = None  # --dynamic-sampling-filter-path
+    buffer_filter: BufferFilter | None = None  # --buffer-filter-path
 
 
 def require_directories(**paths: str | None) -> None:
@@ -145,6 +146,8 @@ def preflight(cfg: RunConfig) -> Preflight:
     reward_fn = build_reward_fn(cfg.reward, task_reward(cfg.data))
     filter_path = cfg.dynamic.dynamic_sampling_filter_path
     group_filter = load_group_filter(filter_path) if filter_path else None
+    buffer_path = cfg.dynamic.buffer_filter_path
+    buffer_filter = load_function(buffer_path, "--buffer-filter-path") if buffer_path else None
     check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)
     if cfg.checkpoint.hf_checkpoint:
@@ -165,7 +168,15 @@ def preflight(cfg: RunConfig) -> Preflight:
         # the built-in model is built on first use; plan as if it were there
         built = DirState(flags.hf_checkpoint, True, hf_config=model_config, hf_weights=True)
         disk = replace(disk, hf_checkpoint=built)
-    return Preflight(plan_start(flags, disk), flags, prompts, eval_prompts, reward_fn, group_filter)
+    return Preflight(
+        plan_start(flags, disk),
+        flags,
+        prompts,
+        eval_prompts,
+        reward_fn,
+        group_filter,
+        buffer_filter,
+    )
 
 
 @dataclass
@@ -188,6 +199,7 @@ class Run:
     # dynamic sampling only: groups kept beyond a rollout's batch, saved with the data position
     buffer: RolloutBuffer | None = None
     group_filter: GroupFilter | None = None
+    buffer_filter: BufferFilter | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -323,6 +335,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         wandb_run_id=wandb_run_id,
         buffer=dynamic_buffer(cfg, plan),
         group_filter=pre.group_filter,
+        buffer_filter=pre.buffer_filter,
     )
 
 

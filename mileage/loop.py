@@ -83,6 +83,7 @@ def draw_rollout(run: Run, rollout_id: int) -> tuple[list, list, dict]:
         lambda prompts, slot: rollout_samples(run, slot, prompts),  # seeded by the round's slot
         run.group_filter,
         run.cfg,
+        run.buffer_filter,
         run.cfg.dynamic,
         rc.rollout_batch_size,
         rc.n_samples_per_prompt,

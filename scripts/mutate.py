@@ -548,8 +548,8 @@ MUTANTS = [
         "dynamic-buffer-newest-first",
         "a rollout takes the newest buffered group first instead of submission order",
         "mileage/rollout/dynamic.py",
-        "        groups.append(buffer.groups.popleft())\n",
-        "        groups.append(buffer.groups.pop())\n",
+        "        return [buffer.groups.popleft() for _ in range(min(count, len(buffer.groups)))]\n",
+        "        return [buffer.groups.pop() for _ in range(min(count, len(buffer.groups)))]\n",
         (DYNAMIC_ROUNDS,),
     ),
 ]

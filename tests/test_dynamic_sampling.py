@@ -22,6 +22,7 @@ from mileage.rollout.dynamic import (
     judge,
     load_group_filter,
     sample_dynamic,
+    take_buffered,
 )
 from mileage.rollout.rollout import Sample
 from mileage.rollout.tasks import builtin_task
@@ -60,7 +61,7 @@ def test_rounds_fill_the_batch_in_submission_order_and_buffer_the_rest():
     cfg = DynamicSamplingConfig(MILES_NONZERO_STD, over_sampling_batch_size=3)
     generate = fake_generate(rewards, slots)
     out = sample_dynamic(
-        buffer, source.next_batch, generate, check_reward_nonzero_std, None, cfg, 3, N, 0
+        buffer, source.next_batch, generate, check_reward_nonzero_std, None, None, cfg, 3, N, 0
     )
     # round 1 draws 0,1,2 (keeps 0); round 2 draws 3,4,5 (keeps 3); round 3 draws 6,7,8
     assert [g.prompt.index for g in out.groups] == [0, 3, 6]
@@ -79,7 +80,7 @@ def test_rounds_fill_the_batch_in_submission_order_and_buffer_the_rest():
 
     # the next rollout takes the buffered groups first, then samples one more round
     out = sample_dynamic(
-        buffer, source.next_batch, generate, check_reward_nonzero_std, None, cfg, 3, N, 1
+        buffer, source.next_batch, generate, check_reward_nonzero_std, None, None, cfg, 3, N, 1
     )
     assert [g.prompt.index for g in out.groups] == [7, 8, 9]
     assert out.stats["dynamic_filter/groups_from_buffer"] == 2
@@ -91,11 +92,35 @@ def test_the_buffer_round_trips_through_json_with_its_leftover_groups():
     rewards = {i: [0.0, 1.0] for i in range(8)}
     buffer, source = RolloutBuffer(), PromptSource(prompts(8), False, 0)
     cfg = DynamicSamplingConfig(None, over_sampling_batch_size=5)
-    sample_dynamic(buffer, source.next_batch, fake_generate(rewards, []), None, None, cfg, 2, N, 0)
+    sample_dynamic(
+        buffer, source.next_batch, fake_generate(rewards, []), None, None, None, cfg, 2, N, 0
+    )
     again = RolloutBuffer()
     again.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
     assert again.state_dict() == buffer.state_dict()
     assert [g.prompt.index for g in again.groups] == [2, 3, 4]
+
+
+def test_a_buffer_filter_takes_what_it_removes_and_leaves_the_rest_in_its_order():
+    buffer = RolloutBuffer()
+    buffer.put(3, 1, [Sample(p, [1], [2], [0.0], "x", 1.0, True) for p in prompts(4)], 1)
+
+    def newest_two_reversed(config, rollout_id, groups, count):
+        taken = [groups.pop(), groups.pop()]  # the newest first
+        groups.reverse()
+        return taken
+
+    taken = take_buffered(buffer, newest_two_reversed, None, 0, 2)
+    assert [g.prompt.index for g in taken] == [3, 2]
+    assert [g.prompt.index for g in buffer.groups] == [1, 0]
+    assert all(g.slot == 3 for g in taken)
+
+    def keeps_them_too(config, rollout_id, groups, count):
+        return groups[:1]  # returned but not removed: refused
+
+    with pytest.raises(UserError, match="--buffer-filter-path: rollout 4"):
+        take_buffered(buffer, keeps_them_too, None, 4, 2)
+    assert [g.prompt.index for g in take_buffered(buffer, None, None, 0, 5)] == [1, 0]
 
 
 def test_the_round_cap_stops_with_the_counts():
@@ -108,6 +133,7 @@ def test_the_round_cap_stops_with_the_counts():
             source.next_batch,
             fake_generate(rewards, []),
             check_reward_nonzero_std,
+            None,
             None,
             cfg,
             2,
@@ -146,6 +172,11 @@ def test_filters_may_return_bool_pair_or_miles_output(tmp_path, monkeypatch):
     [
         (["--over-sampling-batch-size", "0"], "--over-sampling-batch-size must be positive"),
         (["--partial-rollout"], "--partial-rollout"),
+        (["--buffer-filter-path", "x.y"], "--buffer-filter-path selects from dynamic sampling"),
+        (
+            ["--over-sampling-batch-size", "8", "--buffer-filter-path", "nosuch.fn"],
+            "--buffer-filter-path: cannot import 'nosuch'",
+        ),
         (["--dynamic-sampling-filter-path", "nosuch.module.fn"], "cannot import 'nosuch.module'"),
     ],
 )

@@ -33,6 +33,9 @@ MILEAGE_NONZERO_STD = "mileage.rollout.dynamic.check_reward_nonzero_std"
 
 # fn(run_config, samples_of_one_group) -> bool, or an object with `.keep` (and `.reason`)
 GroupFilter = Callable[[object, list[Sample]], object]
+# miles' buffer filter: fn(args, rollout_id, buffer, num_groups) -> the groups taken, removed
+# from `buffer` (a list of groups, each a list of samples) by the function itself
+BufferFilter = Callable[[object, int, list[list[Sample]], int], list[list[Sample]]]
 
 
 @dataclass
@@ -50,6 +53,11 @@ class DynamicSamplingConfig:
     dynamic_sampling_max_rounds: int = option(
         10,
         "sampling rounds one rollout may take before the run stops (exit 2) with the counts",
+    )
+    buffer_filter_path: str | None = option(
+        None,
+        "which buffered groups a rollout takes first: fn(config, rollout_id, buffer, n) -> "
+        "groups, removing them from buffer (miles' meaning; default: the first n)",
     )
     partial_rollout: bool = option(
         False, "continue unfinished samples in a later rollout (not implemented yet: refused)"
@@ -73,6 +81,11 @@ class DynamicSamplingConfig:
             raise UserError(
                 "--partial-rollout / --mask-offpolicy-in-partial-rollout are not implemented yet"
             )
+        if self.buffer_filter_path and not self.enabled:
+            raise UserError(
+                "--buffer-filter-path selects from dynamic sampling's buffer; give "
+                "--dynamic-sampling-filter-path or --over-sampling-batch-size with it"
+            )
         for name in ("over_sampling_batch_size", "dynamic_sampling_max_rounds"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -90,26 +103,56 @@ def check_reward_nonzero_std(config: object, samples: list[Sample]) -> tuple[boo
     return False, f"zero_std_{round(rewards[0], 1)}"
 
 
-def load_group_filter(path: str) -> GroupFilter:
-    """The user's filter, imported from the path the user named (miles' built-in's path is a
-    name for mileage's own equivalent: miles itself is not imported)."""
-    if path in (MILES_NONZERO_STD, MILEAGE_NONZERO_STD):
-        return check_reward_nonzero_std
+def load_function(path: str, flag: str) -> Callable:
+    """A user function imported from the path the user named (module.path.fn or module.path:fn)."""
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not sep or not module_name or not attr:
-        raise UserError(
-            f"--dynamic-sampling-filter-path must look like module.path.function, got {path!r}"
-        )
+        raise UserError(f"{flag} must look like module.path.function, got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
-        raise UserError(
-            f"--dynamic-sampling-filter-path: cannot import {module_name!r}: {exc}"
-        ) from None
+        raise UserError(f"{flag}: cannot import {module_name!r}: {exc}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise UserError(f"--dynamic-sampling-filter-path: {module_name!r} has no function {attr!r}")
+        raise UserError(f"{flag}: {module_name!r} has no function {attr!r}")
     return fn
+
+
+def load_group_filter(path: str) -> GroupFilter:
+    """The user's filter (miles' built-in's path is a name for mileage's own equivalent: miles
+    itself is not imported)."""
+    if path in (MILES_NONZERO_STD, MILEAGE_NONZERO_STD):
+        return check_reward_nonzero_std
+    return load_function(path, "--dynamic-sampling-filter-path")
+
+
+def take_buffered(
+    buffer: RolloutBuffer, fn: BufferFilter | None, config: object, rollout_id: int, count: int
+) -> list[Group]:
+    """Up to `count` buffered groups for this rollout: the oldest first, or those the user's
+    buffer filter takes (what it leaves, in the order it leaves it, stays buffered)."""
+    if fn is None:
+        return [buffer.groups.popleft() for _ in range(min(count, len(buffer.groups)))]
+    by_id = {id(g.samples): g for g in buffer.groups}
+    listed = [g.samples for g in buffer.groups]
+    taken = fn(config, rollout_id, listed, count)
+    taken_ids = [id(samples) for samples in taken]
+    left_ids = [id(samples) for samples in listed]
+    known = set(by_id)
+    if (
+        len(taken) > count
+        or not set(taken_ids) <= known
+        or not set(left_ids) <= known
+        or len(set(taken_ids + left_ids)) != len(taken_ids) + len(left_ids)
+        or len(taken_ids) + len(left_ids) != len(by_id)
+    ):
+        raise UserError(
+            f"--buffer-filter-path: rollout {rollout_id}: the filter must return at most {count} "
+            "of the buffer's groups and remove exactly those from the buffer list"
+        )
+    buffer.groups.clear()
+    buffer.groups.extend(by_id[i] for i in left_ids)
+    return [by_id[i] for i in taken_ids]
 
 
 def judge(fn: GroupFilter, config: object, samples: list[Sample]) -> tuple[bool, str]:
@@ -140,6 +183,7 @@ def sample_dynamic(
     generate: Callable[[list[Prompt], int], list[Sample]],
     keep: GroupFilter | None,
     config: object,
+    buffer_filter: BufferFilter | None,
     cfg: DynamicSamplingConfig,
     batch_size: int,
     n_samples: int,
@@ -147,9 +191,7 @@ def sample_dynamic(
 ) -> Sampled:
     """Fill one rollout: buffered groups first, then rounds of `draw(size)` prompts sampled by
     `generate(prompts, slot)`; raises UserError (exit 2) when the round cap is reached."""
-    groups: list[Group] = []
-    while buffer.groups and len(groups) < batch_size:
-        groups.append(buffer.groups.popleft())
+    groups = take_buffered(buffer, buffer_filter, config, rollout_id, batch_size)
     from_buffer = len(groups)
     drawn: list[Prompt] = []
     dropped: Counter[str] = Counter()
