@@ -52,6 +52,7 @@ ASYNC_RESUME = f"{ASYNC_CRASH}::test_one_step_off_stopped_and_rerun_equals_the_u
 ASYNC_ORDER = f"{ASYNC_CRASH}::test_one_step_off_trains_every_prompt_once_in_data_order"
 ASYNC_S0 = f"{ASYNC_CRASH}::test_staleness_zero_is_train_tensor_for_tensor"
 DYNAMIC = "tests/test_dynamic_sampling.py"
+CORRECTIONS = "tests/test_corrections.py"
 DYNAMIC_ROUNDS = f"{DYNAMIC}::test_rounds_fill_the_batch_in_submission_order_and_buffer_the_rest"
 DYNAMIC_ACCOUNT = (
     f"{DYNAMIC}::test_no_trained_group_has_equal_rewards_and_every_drawn_prompt_is_accounted"
@@ -511,6 +512,30 @@ MUTANTS = [
         "        own = copy.deepcopy(model).eval()\n",
         "        own = copy.deepcopy(model).requires_grad_(False).eval()\n",
         (ASYNC_S0,),
+    ),
+    Mutant(
+        "mis-rejected-tokens-in-denominator",
+        "masked IS zeroes the rejected tokens' weights but leaves them in the loss mask",
+        "mileage/rollout/engines/mismatch.py",
+        "        batch.tis_weights, batch.loss_mask = weights * kept, kept\n",
+        "        batch.tis_weights = weights * kept\n",
+        (CORRECTIONS,),
+    ),
+    Mutant(
+        "sequence-is-per-token",
+        "--tis-level sequence computes a ratio per token",
+        "mileage/training/corrections.py",
+        '    if level == "sequence":\n',
+        "    if False:\n",
+        (CORRECTIONS,),
+    ),
+    Mutant(
+        "opsm-ignores-advantage-sign",
+        "OPSM masks every sequence past the threshold, positive advantages too",
+        "mileage/training/corrections.py",
+        "    drop = (advantage < 0) & (seq_kl > delta)\n",
+        "    drop = seq_kl > delta\n",
+        (CORRECTIONS,),
     ),
     Mutant(
         "dynamic-filtered-group-trained",
