@@ -69,7 +69,13 @@ from mileage.rollout.data import (
     load_train_prompts,
     task_reward,
 )
-from mileage.rollout.dynamic import BufferFilter, GroupFilter, load_function, load_group_filter
+from mileage.rollout.dynamic import (
+    BufferFilter,
+    GroupFilter,
+    load_function,
+    load_group_filter,
+    new_buffer,
+)
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.factory import build_engine
@@ -333,20 +339,10 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             config_dir, None if cfg.checkpoint.hf_checkpoint else cfg.data.builtin_task
         ),
         wandb_run_id=wandb_run_id,
-        buffer=dynamic_buffer(cfg, plan),
+        buffer=new_buffer(cfg.dynamic, plan.start_rollout_id),
         group_filter=pre.group_filter,
         buffer_filter=pre.buffer_filter,
     )
-
-
-def dynamic_buffer(cfg: RunConfig, plan: ResumePlan) -> RolloutBuffer | None:
-    """Dynamic sampling's buffer; its first slot (sampling seed) is the start rollout id, as
-    plain training seeds it, until a checkpoint's buffer says otherwise."""
-    if not cfg.dynamic.enabled:
-        return None
-    buffer = RolloutBuffer()
-    buffer.next_slot = plan.start_rollout_id
-    return buffer
 
 
 def restore(run: Run, log) -> None:

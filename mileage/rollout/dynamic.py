@@ -92,6 +92,16 @@ class DynamicSamplingConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
+def new_buffer(cfg: DynamicSamplingConfig, start_rollout_id: int) -> RolloutBuffer | None:
+    """Dynamic sampling's buffer (None when off); its first slot (sampling seed) is the start
+    rollout id, as plain training seeds it, until a checkpoint's buffer says otherwise."""
+    if not cfg.enabled:
+        return None
+    buffer = RolloutBuffer()
+    buffer.next_slot = start_rollout_id
+    return buffer
+
+
 def check_reward_nonzero_std(config: object, samples: list[Sample]) -> tuple[bool, str | None]:
     """Keep a group whose rewards are not all equal (its GRPO advantages are not all zero);
     a dropped group's reason is miles' `zero_std_<reward rounded to 1 digit>`."""
