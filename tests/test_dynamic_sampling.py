@@ -323,3 +323,25 @@ def test_kills_between_rounds_and_at_commits_resume_to_the_uninterrupted_run(
     assert sum(o.status == "killed" for o in outcomes) >= 7, table
     # the same tensors, and the same metrics: the same prompts drawn and trained, rollout by rollout
     assert compare_runs(reference, save) == [], table
+
+
+@pytest.mark.slow
+def test_keeping_every_group_without_over_sampling_trains_what_plain_train_trains(
+    crash_reference, tmp_path
+):
+    """Round k of rollout k is seeded as plain training seeds rollout k, so dynamic sampling
+    that keeps everything changes no tensor (only the trainer state's empty buffer and the
+    dynamic_filter metrics are extra)."""
+    from mileage.testing.compare import TENSOR_DIFF, count_tensor_differences
+    from mileage.testing.kills import crash_run_args
+
+    reference, _ = crash_reference
+    save = tmp_path / "run"
+    run_uninterrupted([*crash_run_args(), "--over-sampling-batch-size", "8"], save)
+    diffs = compare_runs(reference, save)
+    assert count_tensor_differences(diffs) == 0, [d for d in diffs if d.startswith(TENSOR_DIFF)]
+    assert diffs, "the extra buffer and metrics should show as non-tensor differences"
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    plain = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [r["prompt_indices"] for r in records] == [r["prompt_indices"] for r in plain]
+    assert all(r["dynamic_filter/rounds"] == 1 for r in records)
