@@ -63,12 +63,20 @@ from mileage.models.tiny import (
     ensure_builtin_model,
     tiny_llama_config,
 )
+from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
 from mileage.rollout.data import (
     Prompt,
     PromptSource,
     load_eval_prompts,
     load_train_prompts,
     task_reward,
+)
+from mileage.rollout.dynamic import (
+    BufferFilter,
+    GroupFilter,
+    load_function,
+    load_group_filter,
+    new_buffer,
 )
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
@@ -133,6 +141,8 @@ class Preflight:
     prompts: list[Prompt]
     eval_prompts: list[Prompt] | None
     reward_fn: RewardFn
+    group_filter: GroupFilter | None = None  # --dynamic-sampling-filter-path
+    buffer_filter: BufferFilter | None = None  # --buffer-filter-path
 
 
 def require_directories(**paths: str | None) -> None:
@@ -149,6 +159,10 @@ def preflight(cfg: RunConfig) -> Preflight:
     prompts = load_train_prompts(cfg.data)
     eval_prompts = load_eval_prompts(cfg.data)
     reward_fn = build_reward_fn(cfg.reward, task_reward(cfg.data))
+    filter_path = cfg.dynamic.dynamic_sampling_filter_path
+    group_filter = load_group_filter(filter_path) if filter_path else None
+    buffer_path = cfg.dynamic.buffer_filter_path
+    buffer_filter = load_function(buffer_path, "--buffer-filter-path") if buffer_path else None
     check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)
     if cfg.checkpoint.hf_checkpoint:
@@ -181,7 +195,15 @@ def preflight(cfg: RunConfig) -> Preflight:
         # the built-in model is built on first use; plan as if it were there
         built = DirState(flags.hf_checkpoint, True, hf_config=model_config, hf_weights=True)
         disk = replace(disk, hf_checkpoint=built)
-    return Preflight(plan_start(flags, disk), flags, prompts, eval_prompts, reward_fn)
+    return Preflight(
+        plan_start(flags, disk),
+        flags,
+        prompts,
+        eval_prompts,
+        reward_fn,
+        group_filter,
+        buffer_filter,
+    )
 
 
 @dataclass
@@ -202,6 +224,10 @@ class Run:
     model_source: dict  # what meta.json records the run was trained from
     wandb_run_id: str | None  # kept in the trainer state, so a resumed run continues the W&B run
     lora: LoraPolicy | None = None  # --lora-rank: the model is the base with a PEFT adapter
+    # dynamic sampling only: groups kept beyond a rollout's batch, saved with the data position
+    buffer: RolloutBuffer | None = None
+    group_filter: GroupFilter | None = None
+    buffer_filter: BufferFilter | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -371,6 +397,9 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         ),
         wandb_run_id=wandb_run_id,
         lora=lora,
+        buffer=new_buffer(cfg.dynamic, plan.start_rollout_id),
+        group_filter=pre.group_filter,
+        buffer_filter=pre.buffer_filter,
     )
 
 
@@ -390,12 +419,17 @@ def restore(run: Run, log) -> None:
         restore_rng_state(rng_of_this_rank(load_rng_tensors(plan.weights_from)), trainer["rng"])
     if plan.load_data_state:
         run.data.load_state_dict(trainer["data"])
+        # the buffered groups belong to the data position: the prompts they hold were drawn
+        if run.buffer is not None and trainer.get(STATE_KEY):
+            run.buffer.load_state_dict(trainer[STATE_KEY])
     log(f"restored {plan.weights_from}: optimizer step {run.actor.step}, data {trainer['data']}")
 
 
 def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
     rng_tensors, rng_plain = capture_rng_state()
     trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain}
+    if run.buffer is not None:  # only then: runs without dynamic sampling stay byte-identical
+        trainer[STATE_KEY] = run.buffer.state_dict()
     if run.wandb_run_id:  # only then: runs without W&B keep byte-identical trainer states
         trainer["tracking"] = {"wandb_run_id": run.wandb_run_id}
     critic = None

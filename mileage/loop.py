@@ -17,8 +17,10 @@ from mileage.distributed.coordination import preemption_guard
 from mileage.faults import fault_point
 from mileage.metrics import EVAL_BEFORE_TRAINING
 from mileage.progress import RunProgress
+from mileage.rollout.dynamic import sample_dynamic
 from mileage.rollout.rollout import evaluate, generate_samples, load_samples, save_samples
-from mileage.training.batch import pack_samples
+from mileage.rollout.shaping import shape_rewards
+from mileage.training.batch import mask_truncated, pack_samples
 from mileage.training.mismatch import apply_mismatch
 
 
@@ -66,6 +68,32 @@ def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
     return samples
 
 
+def draw_rollout(run: Run, rollout_id: int) -> tuple[list, list, dict]:
+    """The rollout's prompts, their samples, and (with dynamic sampling) how they were found:
+    plain training draws one batch; dynamic sampling takes buffered groups, then samples rounds
+    until the filter has kept a batch (`mileage.rollout.dynamic`)."""
+    rc = run.cfg.rollout
+    if run.buffer is None:
+        prompts = run.data.next_batch(rc.rollout_batch_size)
+        fault_point("rollout_start")
+        return prompts, rollout_samples(run, rollout_id, prompts), {}
+    fault_point("rollout_start")
+    sampled = sample_dynamic(
+        run.buffer,
+        run.data.next_batch,
+        lambda prompts, slot: rollout_samples(run, slot, prompts),  # seeded by the round's slot
+        run.group_filter,
+        run.cfg,
+        run.buffer_filter,
+        run.cfg.dynamic,
+        rc.rollout_batch_size,
+        rc.n_samples_per_prompt,
+        rollout_id,
+    )
+    samples = [s for g in sampled.groups for s in g.samples]
+    return [g.prompt for g in sampled.groups], samples, sampled.stats
+
+
 def sync_engine(run: Run) -> None:
     """Hand the trainer's weights to the engine; their version is the optimizer step."""
     if run.engine is not None:
@@ -95,16 +123,21 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
         for rollout_id in range(plan.start_rollout_id, plan.num_rollout):
             started = time.perf_counter()
             progress.phase(rollout_id, "generate")
-            prompts = run.data.next_batch(cfg.rollout.rollout_batch_size)
-            fault_point("rollout_start")
-            samples = rollout_samples(run, rollout_id, prompts)
+            prompts, samples, sampling = draw_rollout(run, rollout_id)
             generated = time.perf_counter()
             fault_point("after_generate")
 
             progress.phase(rollout_id, "train")
-            batch = pack_samples(samples, run.tokenizer.pad_token_id).to(run.device)
+            # the overlong penalty shapes the trained reward only: the filter, accuracy and
+            # reward_mean see the task's own reward
+            shaped = shape_rewards(samples, cfg.shaping, cfg.rollout.rollout_max_response_len)
+            batch = pack_samples(shaped, run.tokenizer.pad_token_id).to(run.device)
+            if cfg.shaping.overlong_buffer_len:
+                sampling["overlong_reward_mean"] = float(batch.rewards.mean())
+            if cfg.shaping.mask_truncated_completions:
+                sampling["truncated_masked"] = mask_truncated(batch, samples)
             mismatch = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
-            stats = {**run.actor.train_rollout(batch), **mismatch}
+            stats = {**run.actor.train_rollout(batch), **mismatch, **sampling}
             trained = time.perf_counter()
             sync_engine(run)
             synced = time.perf_counter()

@@ -14,9 +14,11 @@ from mileage.distributed.parallelize import ParallelConfig
 from mileage.errors import UserError
 from mileage.models.lora import LoraConfig
 from mileage.rollout.data import DataConfig
+from mileage.rollout.dynamic import DynamicSamplingConfig
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
+from mileage.rollout.shaping import ShapingConfig
 from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
 from mileage.training.critic import CriticConfig
@@ -92,6 +94,8 @@ SECTIONS = (
     ("engine", EngineConfig, "rollout engine"),
     ("mismatch", MismatchConfig, "engine/trainer log-prob mismatch"),
     ("reward", RewardConfig, "reward"),
+    ("dynamic", DynamicSamplingConfig, "dynamic sampling (DAPO)"),
+    ("shaping", ShapingConfig, "overlong shaping and truncation masking"),
     ("algo", AlgoConfig, "algorithm"),
     ("critic", CriticConfig, "PPO critic"),
     ("optim", OptimConfig, "optimizer"),
@@ -110,6 +114,8 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    dynamic: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -218,6 +224,13 @@ class RunConfig:
             raise UserError(
                 "--lora-rank with --advantage-estimator ppo (a critic) is not supported yet; "
                 "use a critic-free estimator (grpo, gspo, reinforce_plus_plus) with LoRA"
+            )
+        self.dynamic.validate()
+        self.shaping.validate(r.rollout_max_response_len)
+        if self.dynamic.enabled and env.world_size() > 1:
+            raise UserError(
+                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size) "
+                "is not supported under torchrun yet; run it as one process"
             )
 
     def num_rollout(self, num_prompts: int) -> int:

@@ -78,6 +78,15 @@ LORA_BASE = f"{LORA}::test_resuming_on_another_base_exits_2_naming_both"
 LORA_ADAPTER = f"{LORA}::test_lora_adapter_path_starts_from_an_exported_adapter_of_this_base_only"
 LORA_SERVE = f"{LORA}::test_mileage_serve_generates_with_the_merged_adapter"
 LORA_DROPOUT = f"{LORA}::test_dropout_masks_depend_on_seed_and_step_not_on_the_rng_stream"
+DYNAMIC = "tests/test_dynamic_sampling.py"
+CORRECTIONS = "tests/test_corrections.py"
+DYNAMIC_ROUNDS = f"{DYNAMIC}::test_rounds_fill_the_batch_in_submission_order_and_buffer_the_rest"
+DYNAMIC_ACCOUNT = (
+    f"{DYNAMIC}::test_no_trained_group_has_equal_rewards_and_every_drawn_prompt_is_accounted"
+)
+DYNAMIC_CRASH = (
+    f"{DYNAMIC}::test_kills_between_rounds_and_at_commits_resume_to_the_uninterrupted_run"
+)
 
 
 @dataclass(frozen=True)
@@ -987,6 +996,70 @@ MUTANTS = [
         "        self.engine.update_weights(self.view.refresh(), version)\n",
         "        self.engine.update_weights(self.view.model, version)\n",
         (LORA_SERVE,),
+    ),
+    Mutant(
+        "mis-rejected-tokens-in-denominator",
+        "masked IS zeroes the rejected tokens' weights but leaves them in the loss mask",
+        "mileage/training/mismatch.py",
+        "        batch.tis_weights, batch.loss_mask = weights * kept, kept\n",
+        "        batch.tis_weights = weights * kept\n",
+        (CORRECTIONS,),
+    ),
+    Mutant(
+        "sequence-is-per-token",
+        "--tis-level sequence computes a ratio per token",
+        "mileage/training/corrections.py",
+        '    if level == "sequence":\n',
+        "    if False:\n",
+        (CORRECTIONS,),
+    ),
+    Mutant(
+        "opsm-ignores-advantage-sign",
+        "OPSM masks every sequence past the threshold, positive advantages too",
+        "mileage/training/corrections.py",
+        "    drop = (advantage < 0) & (seq_kl > delta)\n",
+        "    drop = seq_kl > delta\n",
+        (CORRECTIONS,),
+    ),
+    Mutant(
+        "dynamic-filtered-group-trained",
+        "a group the dynamic-sampling filter drops is counted as dropped but still trained",
+        "mileage/rollout/dynamic.py",
+        "                dropped[reason] += 1\n            elif len(groups) < batch_size:",
+        "                dropped[reason] += 1\n            if len(groups) < batch_size:",
+        (DYNAMIC_ROUNDS, DYNAMIC_ACCOUNT),
+    ),
+    Mutant(
+        "dynamic-leftover-not-saved",
+        "checkpoints of dynamic sampling leave out the buffer of leftover kept groups",
+        "mileage/components.py",
+        "        trainer[STATE_KEY] = run.buffer.state_dict()\n",
+        "        pass\n",
+        (DYNAMIC_CRASH,),
+    ),
+    Mutant(
+        "dynamic-leftover-not-restored",
+        "a resumed dynamic-sampling run starts with an empty buffer (its leftover groups are lost)",
+        "mileage/components.py",
+        "            run.buffer.load_state_dict(trainer[STATE_KEY])\n",
+        "            pass\n",
+        (DYNAMIC_CRASH,),
+    ),
+    Mutant(
+        "dynamic-rounds-share-a-seed",
+        "every sampling round samples with the same seed slot (the slot counter never moves)",
+        "mileage/rollout/dynamic.py",
+        "        buffer.next_slot += 1\n",
+        "",
+        (DYNAMIC_ROUNDS,),
+    ),
+    Mutant(
+        "dynamic-buffer-newest-first",
+        "a rollout takes the newest buffered group first instead of submission order",
+        "mileage/rollout/dynamic.py",
+        "        return [buffer.groups.popleft() for _ in range(min(count, len(buffer.groups)))]\n",
+        "        return [buffer.groups.pop() for _ in range(min(count, len(buffer.groups)))]\n",
+        (DYNAMIC_ROUNDS,),
     ),
 ]
 

@@ -11,21 +11,24 @@ from mileage.checkpoint.store import TRAINER_STATE, remove_leftovers
 from mileage.components import build_run, preflight, with_recorded_model
 from mileage.distributed import env
 from mileage.distributed.coordination import run_progress, save_dir_lock
+from mileage.errors import UserError
 from mileage.loop import train
 from mileage.rollout.buffer import describe_saved
 from mileage.run_config import RunConfig
 
 
 def reuse_line(plan: ResumePlan, asynchronous: bool = True) -> str | None:
-    """What the resume takes from the checkpoint's rollout buffer (an async run's), if any."""
+    """What the resume takes from the checkpoint's rollout buffer (an async run's or dynamic
+    sampling's; `asynchronous`: the run uses it), if any."""
     if plan.action != RESUME or not plan.load_data_state:
         return None
     line = describe_saved(plan.weights_from, TRAINER_STATE)
     if line is None or asynchronous:
         return line
     return (
-        "  note: the checkpoint holds an async run's rollout buffer; `mileage train` generates "
-        "on-policy instead (continue it exactly with `mileage train-async` and its flags)"
+        "  note: the checkpoint holds a rollout buffer (of train-async or dynamic sampling); "
+        "`mileage train` without dynamic sampling generates on-policy and leaves it unused "
+        "(continue it exactly with the command and flags that wrote it)"
     )
 
 
@@ -36,6 +39,17 @@ def train_command(cfg: RunConfig, asynchronous: bool = False) -> int:
         from mileage.async_loop import check_async_run
 
         check_async_run(cfg, env.world_size())
+        shaping = cfg.shaping
+        if shaping.overlong_buffer_len or shaping.mask_truncated_completions:
+            raise UserError(
+                "--overlong-buffer-len / --mask-truncated-completions run in `mileage train` "
+                "only; train-async does not support them yet"
+            )
+        if cfg.dynamic.enabled:
+            raise UserError(
+                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size) "
+                "runs in `mileage train` only; train-async does not support it yet"
+            )
     with env.session():
         return _train(cfg, asynchronous)
 
@@ -55,7 +69,7 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
         progress.print(cfg.engine.note())
     if env.device().type == "cuda":
         progress.print(f"training on {env.device()} ({torch.cuda.get_device_name(env.device())})")
-    reuse = reuse_line(plan, asynchronous)
+    reuse = reuse_line(plan, asynchronous or cfg.dynamic.enabled)
     if reuse:
         progress.print(reuse)
     save = cfg.checkpoint.save

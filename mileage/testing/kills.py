@@ -42,6 +42,11 @@ ASYNC_POINTS = ("async_generating", "before_weight_sync", "mid_weight_sync")
 KILL_POINTS = LOOP_POINTS + SAVE_POINTS + ASYNC_POINTS
 
 
+# `mileage train` with dynamic sampling only: after each sampling round of a rollout (the kept
+# groups beyond the batch are in the rollout buffer, not yet saved)
+DYNAMIC_POINTS = ("after_sampling_round",)
+
+
 # PPO only: the critic is written into the same staging directory, after the actor's optimizer
 CRITIC_SAVE_POINTS = ("save_after_critic_model", "save_after_critic")
 
@@ -104,7 +109,7 @@ class Kill:
     def __post_init__(self) -> None:
         if (self.point is None) == (self.delay is None):
             raise ValueError("a Kill needs exactly one of a point and a delay")
-        known = KILL_POINTS + CRITIC_SAVE_POINTS
+        known = KILL_POINTS + CRITIC_SAVE_POINTS + DYNAMIC_POINTS
         if self.point is not None and self.point not in known:
             raise ValueError(f"unknown kill point {self.point!r}; known: {', '.join(known)}")
         if self.hit < 1:

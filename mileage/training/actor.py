@@ -21,6 +21,7 @@ from mileage.seeding import derive_seed
 from mileage.training.advantages import compute_advantages
 from mileage.training.algo import AlgoConfig, load_custom_loss
 from mileage.training.batch import TrainBatch
+from mileage.training.corrections import opsm_keep
 from mileage.training.critic import Critic
 from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss, token_logprobs
 from mileage.training.optimizer import LRSchedule
@@ -189,6 +190,13 @@ class Actor:
                 self._custom_loss = load_custom_loss(algo.custom_loss_function_path)
             loss, metrics = self._custom_loss(algo, part, logp, reduce)
             return loss, {key: float(value) for key, value in metrics.items()}
+        weights = part.tis_weights
+        opsm = None
+        if algo.use_opsm:
+            opsm = opsm_keep(
+                logp, part.old_logprobs, part.advantages, part.loss_mask, algo.opsm_delta
+            )
+            weights = opsm * (weights if weights is not None else part.loss_mask)
         per_token, clip = ppo_clip_loss(
             logp,
             part.old_logprobs,
@@ -198,10 +206,12 @@ class Actor:
             algo.clip_high,
             algo.eps_clip_c,
             sequence_level=algo.advantage_estimator == "gspo",
-            token_weights=part.tis_weights,
+            token_weights=weights,
         )
         loss = reduce(per_token)
         stats = {"pg_loss": float(loss.detach())}
+        if opsm is not None:
+            stats["opsm_masked_frac"] = float(reduce((1.0 - opsm).expand_as(part.loss_mask)))
         stats.update({key: float(reduce(value)) for key, value in clip.items()})
         return loss, stats
 

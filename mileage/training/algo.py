@@ -59,6 +59,12 @@ class AlgoConfig:
     micro_batch_size: int | None = option(
         None, "samples per forward/backward; gradients accumulate (default: global batch)"
     )
+    use_opsm: bool = option(
+        False,
+        "off-policy sequence masking: no policy-gradient term for a sequence with negative "
+        "advantage whose mean log-ratio old - current exceeds --opsm-delta",
+    )
+    opsm_delta: float = option(1e-4, "the OPSM threshold on a sequence's mean log-ratio")
 
     @property
     def needs_reference(self) -> bool:

@@ -88,3 +88,12 @@ def pack_samples(samples, pad_id: int) -> TrainBatch:
         old_logprobs[row, p - 1 : p + r - 1] = torch.tensor(s.logprobs)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return TrainBatch(input_ids, attention_mask, loss_mask, old_logprobs, rewards)
+
+
+def mask_truncated(batch: TrainBatch, samples) -> int:
+    """Zero the loss mask of every sample that hit the length limit without finishing (TRL's
+    mask_truncated_completions); returns how many were masked."""
+    truncated = [row for row, s in enumerate(samples) if not s.finished]
+    if truncated:
+        batch.loss_mask[truncated] = 0.0
+    return len(truncated)

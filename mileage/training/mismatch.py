@@ -11,7 +11,11 @@ Which log-probs are the "old policy" of the PPO ratio (miles' flags and meanings
 - `--use-rollout-logprobs`: always the engine's;
 - `--use-tis`: truncated importance sampling. Each token's policy-gradient term is multiplied
   by clamp(exp(trainer - engine), --tis-clip-low, --tis-clip), a constant weight that corrects
-  for sampling from the engine's distribution rather than the trainer's.
+  for sampling from the engine's distribution rather than the trainer's. `--tis-level`,
+  `--tis-mode` and `--custom-tis-function-path` choose sequence-level IS, masked/rejection IS
+  (MIS, IcePop) or the user's own (`mileage.training.corrections`).
+- `--get-mismatch-metrics`: recompute and log the mismatch (KL, the IS ratio) without
+  correcting it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ from mileage.config import option
 from mileage.errors import UserError
 from mileage.training.actor import Actor, sequence_logprobs
 from mileage.training.batch import TrainBatch
+from mileage.training.corrections import (
+    MILES_ICEPOP,
+    MILES_VANILLA_TIS,
+    TisFunction,
+    is_weights,
+    mismatch_metrics,
+)
 
 
 @dataclass
@@ -36,6 +47,26 @@ class MismatchConfig:
     )
     tis_clip: float = option(2.0, "upper clamp of the TIS weight")
     tis_clip_low: float = option(0.0, "lower clamp of the TIS weight")
+    tis_level: str = option(
+        "token",
+        "--use-tis: a ratio per token, or per sequence (exp of its summed log-ratio)",
+        choices=("token", "sequence"),
+    )
+    tis_mode: str = option(
+        "truncate",
+        "--use-tis: truncate (clamp the weight) or mask (MIS / IcePop: reject tokens or "
+        "sequences whose ratio is outside [--tis-clip-low, --tis-clip]; they leave the loss)",
+        choices=("truncate", "mask"),
+    )
+    custom_tis_function_path: str | None = option(
+        None,
+        "--use-tis: fn(config, trainer_logprobs, engine_logprobs, loss_mask) -> (weights, "
+        "loss_mask, metrics); miles' vanilla_tis_function / icepop_function paths name the "
+        "built-ins",
+    )
+    get_mismatch_metrics: bool = option(
+        False, "recompute the trainer's log-probs and log the mismatch without correcting it"
+    )
 
     def validate(self) -> None:
         if self.use_tis and self.use_rollout_logprobs:
@@ -43,6 +74,13 @@ class MismatchConfig:
                 "--use-tis corrects the engine/trainer mismatch against the trainer's log-probs; "
                 "it cannot be combined with --use-rollout-logprobs (the weights would all be 1)"
             )
+        chosen = self.custom_tis_function_path or self.tis_level != "token"
+        if (chosen or self.tis_mode != "truncate") and not self.use_tis:
+            raise UserError(
+                "--tis-level, --tis-mode and --custom-tis-function-path choose the correction of "
+                "--use-tis; give --use-tis with them"
+            )
+        load_tis_function(self)  # a bad path stops the run here, before anything is written
         if not 0.0 <= self.tis_clip_low <= self.tis_clip:
             raise UserError(
                 f"need 0 <= --tis-clip-low <= --tis-clip, got {self.tis_clip_low} and {self.tis_clip}"
@@ -52,7 +90,22 @@ class MismatchConfig:
 def needs_recompute(cfg: MismatchConfig, engine) -> bool:
     """Whether the trainer recomputes the sampled tokens' log-probs before training."""
     in_process = engine is not None and getattr(engine, "in_process", False)
-    return cfg.use_tis or (engine is not None and not in_process)
+    return cfg.use_tis or cfg.get_mismatch_metrics or (engine is not None and not in_process)
+
+
+def load_tis_function(cfg: MismatchConfig) -> TisFunction | None:
+    """The user's --custom-tis-function-path (None: the built-in chosen by level and mode)."""
+    path = cfg.custom_tis_function_path
+    if path is None:
+        return None
+    if path in (MILES_VANILLA_TIS, MILES_ICEPOP):
+        mode = "mask" if path == MILES_ICEPOP else "truncate"
+        return lambda c, t, e, m: is_weights(
+            t, e, m, level="token", mode=mode, low=c.tis_clip_low, high=c.tis_clip
+        )
+    from mileage.rollout.dynamic import load_function
+
+    return load_function(path, "--custom-tis-function-path")
 
 
 @torch.no_grad()
@@ -80,7 +133,20 @@ def apply_mismatch(cfg: MismatchConfig, engine, actor: Actor, batch: TrainBatch)
     rollout = batch.old_logprobs
     trainer = trainer_logprobs(actor, batch)
     stats = {"logprob_abs_diff": float(((trainer - rollout).abs() * mask).sum() / tokens)}
-    if cfg.use_tis:
+    if cfg.get_mismatch_metrics:
+        stats.update(mismatch_metrics(trainer, rollout, mask))
+    if cfg.use_tis and (
+        cfg.custom_tis_function_path or cfg.tis_level != "token" or cfg.tis_mode != "truncate"
+    ):
+        fn = load_tis_function(cfg) or (
+            lambda c, t, e, m: is_weights(
+                t, e, m, level=c.tis_level, mode=c.tis_mode, low=c.tis_clip_low, high=c.tis_clip
+            )
+        )
+        weights, kept, metrics = fn(cfg, trainer, rollout, mask)
+        batch.tis_weights, batch.loss_mask = weights * kept, kept
+        stats.update({key: float(value) for key, value in metrics.items()})
+    elif cfg.use_tis:
         raw = torch.exp(trainer - rollout)
         weights = raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
         batch.tis_weights = weights * mask
