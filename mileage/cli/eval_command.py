@@ -59,6 +59,9 @@ def evaluate_checkpoint(cfg, log) -> dict:
     ck = cfg.checkpoint
     if not ck.load:
         raise UserError("mileage eval needs --load RUN (a save directory) to evaluate")
+    checkpoint = selected_checkpoint(ck.load, ck.ckpt_step, "--ckpt-step")
+    if not checkpoint.is_dir():
+        raise UserError(f"{checkpoint} does not exist")
     ignored = [
         flag
         for flag, given in (
@@ -71,9 +74,6 @@ def evaluate_checkpoint(cfg, log) -> dict:
     ]
     if ignored:
         log(f"mileage eval writes nothing: ignoring {', '.join(ignored)}")
-    checkpoint = selected_checkpoint(ck.load, ck.ckpt_step, "--ckpt-step")
-    if not checkpoint.is_dir():
-        raise UserError(f"{checkpoint} does not exist")
     source = recorded_source(checkpoint) or {}
     data = cfg.data
     if source.get("builtin_task") and not data.prompt_data:
