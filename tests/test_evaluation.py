@@ -140,6 +140,19 @@ def test_named_eval_sets_log_pass_at_k_and_mileage_eval_reproduces_them(
     assert "a: reward " in text.stdout and "pass@4" in text.stdout and "b: reward " in text.stdout
     assert _tree(save) == before
 
+    # killed after rollout 0 and rerun: the sampled evaluations are the uninterrupted run's
+    resumed = tmp_path / "resumed"
+    again = [*train, "--log-passrate", "--save", resumed, "--load", resumed, "--save-interval", "1"]
+    stopped = cli("train", *again, "--debug-exit-after-rollout", "1")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    rerun = cli("train", *again)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+
+    def evals(run: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k.startswith("eval")} for r in read_metrics(run)]
+
+    assert evals(resumed) == evals(save)
+
 
 def test_bad_eval_input_is_one_line_exit_2(tmp_path, capsys):
     a, _ = _write_sets(tmp_path)
@@ -150,7 +163,7 @@ def test_bad_eval_input_is_one_line_exit_2(tmp_path, capsys):
         ),
         "an unknown key": (
             ["train", "--eval-prompt-data", "a", a, "--eval-input-key", "question"],
-            "a.jsonl:1: missing key 'question'",
+            "a.jsonl:1: missing key 'question' (set --eval-input-key/--eval-label-key)",
         ),
         "n-samples 0": (
             ["train", "--n-samples-per-eval-prompt", "0"],

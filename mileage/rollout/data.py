@@ -69,7 +69,12 @@ class EvalSet:
     prompts: list[Prompt]
 
 
-def load_jsonl(path: str, input_key: str, label_key: str) -> list[Prompt]:
+KEY_FLAGS = "--input-key/--label-key"
+
+
+def load_jsonl(
+    path: str, input_key: str, label_key: str, key_flags: str = KEY_FLAGS
+) -> list[Prompt]:
     """Read prompts from JSONL, naming the file and line of the first bad record."""
     file = Path(path)
     if not file.is_file():
@@ -85,16 +90,16 @@ def load_jsonl(path: str, input_key: str, label_key: str) -> list[Prompt]:
                 raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
             for key in (input_key, label_key):
                 if not isinstance(record, dict) or key not in record:
-                    raise UserError(
-                        f"{path}:{lineno}: missing key {key!r} (set --input-key/--label-key)"
-                    )
+                    raise UserError(f"{path}:{lineno}: missing key {key!r} (set {key_flags})")
             prompts.append(Prompt(len(prompts), str(record[input_key]), str(record[label_key])))
     if not prompts:
         raise UserError(f"prompt file is empty: {path}")
     return prompts
 
 
-def load_parquet(path: str, input_key: str, label_key: str) -> list[Prompt]:
+def load_parquet(
+    path: str, input_key: str, label_key: str, key_flags: str = KEY_FLAGS
+) -> list[Prompt]:
     """Read prompts from the `input_key` and `label_key` columns of a Parquet file."""
     if not Path(path).is_file():
         raise UserError(f"prompt file not found: {path}")
@@ -107,7 +112,7 @@ def load_parquet(path: str, input_key: str, label_key: str) -> list[Prompt]:
         missing = [key for key in (input_key, label_key) if key not in columns]
         if missing:
             raise UserError(
-                f"{path}: missing column {missing[0]!r} (set --input-key/--label-key); "
+                f"{path}: missing column {missing[0]!r} (set {key_flags}); "
                 f"columns: {', '.join(columns)}"
             )
         table = pq.read_table(path, columns=[input_key, label_key]).to_pydict()
@@ -185,11 +190,13 @@ def _gym_evals(cfg: DataConfig) -> list[tuple[str, tuple[gym.GymSpec, Any, list[
     return [(spec.task, (spec, *gym.gym_entries(spec, train_questions)))]
 
 
-def load_prompts(source: str, input_key: str, label_key: str) -> list[Prompt]:
+def load_prompts(
+    source: str, input_key: str, label_key: str, key_flags: str = KEY_FLAGS
+) -> list[Prompt]:
     """Prompts from a JSONL or Parquet file (by suffix); gym: specs go through `gym`."""
     if source.endswith(".parquet"):
-        return load_parquet(source, input_key, label_key)
-    return load_jsonl(source, input_key, label_key)
+        return load_parquet(source, input_key, label_key, key_flags)
+    return load_jsonl(source, input_key, label_key, key_flags)
 
 
 def load_train_prompts(cfg: DataConfig) -> list[Prompt]:
@@ -212,7 +219,9 @@ def load_eval_sets(cfg: DataConfig) -> list[EvalSet]:
                 name,
                 _gym_prompts(gyms[name][0], gyms[name][2])
                 if name in gyms
-                else load_prompts(source, input_key, label_key),
+                else load_prompts(
+                    source, input_key, label_key, "--eval-input-key/--eval-label-key"
+                ),
             )
             for name, source in eval_sources(cfg)
         ]
