@@ -157,7 +157,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     local = cfg.engine.rollout_engine == "local" and not rc.load_debug_rollout_data
     encode = PromptEncoder(tokenizer, cfg.data.apply_chat_template)
     if cfg.loop.eval_interval:
-        check_eval_lengths(model_config, encode, eval_sets, cfg.eval.sampling(rc))
+        check_eval_lengths(model_config, encode, eval_sets, cfg.eval, rc)
     check_rollout_sizes(
         model_config,
         encode,

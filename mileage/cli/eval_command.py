@@ -89,9 +89,7 @@ def evaluate_checkpoint(cfg, log) -> dict:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     encode = PromptEncoder(tokenizer, data.apply_chat_template)
-    check_eval_lengths(
-        read_config_json(config_dir), encode, eval_sets, cfg.eval.sampling(cfg.rollout)
-    )
+    check_eval_lengths(read_config_json(config_dir), encode, eval_sets, cfg.eval, cfg.rollout)
     model = _load_weights(str(checkpoint), "native", config_dir)
     meta = json.loads((checkpoint / "meta.json").read_text())
     rollout_id = meta.get("rollout_id")

@@ -66,12 +66,17 @@ class EvalConfig:
 
 
 def check_eval_lengths(
-    config: dict, encode: PromptEncoder, eval_sets: list[EvalSet], params: SamplingParams
+    config: dict,
+    encode: PromptEncoder,
+    eval_sets: list[EvalSet],
+    cfg: EvalConfig,
+    rollout: RolloutConfig,
 ) -> None:
     """Refuse, before the run, an evaluation prompt that cannot fit the model's context with
-    --eval-max-response-len new tokens after it."""
-    flag = "--eval-max-response-len"
-    problem = length_problem(config, 0, params.max_new_tokens, flag)
+    the evaluation's response length after it (named by the flag it comes from)."""
+    max_new_tokens = cfg.sampling(rollout).max_new_tokens
+    flag = "--eval-max-response-len" if cfg.eval_max_response_len else "--rollout-max-response-len"
+    problem = length_problem(config, 0, max_new_tokens, flag)
     if problem:
         raise UserError(problem)
     context = context_length(config)
@@ -79,11 +84,13 @@ def check_eval_lengths(
         return
     for eval_set in eval_sets:
         texts = [p.text for p in eval_set.prompts]
-        over = prompt_over(texts, encode, context - params.max_new_tokens)
+        over = prompt_over(texts, encode, context - max_new_tokens)
         if over:
             index, count = over
-            where = f"evaluation prompt {index} of {eval_set.name}"
-            raise UserError(length_problem(config, count, params.max_new_tokens, flag, where))
+            where = f"evaluation prompt {index}"
+            if len(eval_sets) > 1:
+                where += f" (dataset {eval_set.name})"
+            raise UserError(length_problem(config, count, max_new_tokens, flag, where))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
