@@ -65,9 +65,10 @@ from mileage.models.tiny import (
 )
 from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
 from mileage.rollout.data import (
+    EvalSet,
     Prompt,
     PromptSource,
-    load_eval_prompts,
+    load_eval_sets,
     load_train_prompts,
     task_reward,
 )
@@ -81,6 +82,7 @@ from mileage.rollout.dynamic import (
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.factory import build_engine
+from mileage.rollout.evaluation import check_eval_lengths
 from mileage.rollout.rewards import RewardFn, build_reward_fn
 from mileage.rollout.rollout import PromptEncoder
 from mileage.rollout.sizes import check_rollout_sizes
@@ -139,7 +141,7 @@ class Preflight:
     plan: ResumePlan
     flags: StartFlags
     prompts: list[Prompt]
-    eval_prompts: list[Prompt] | None
+    eval_sets: list[EvalSet]
     reward_fn: RewardFn
     group_filter: GroupFilter | None = None  # --dynamic-sampling-filter-path
     buffer_filter: BufferFilter | None = None  # --buffer-filter-path
@@ -157,7 +159,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     ck = cfg.checkpoint
     require_directories(save=ck.save, load=ck.load, ref_load=ck.ref_load)
     prompts = load_train_prompts(cfg.data)
-    eval_prompts = load_eval_prompts(cfg.data)
+    eval_sets = load_eval_sets(cfg.data)
     reward_fn = build_reward_fn(cfg.reward, task_reward(cfg.data))
     filter_path = cfg.dynamic.dynamic_sampling_filter_path
     group_filter = load_group_filter(filter_path) if filter_path else None
@@ -175,11 +177,14 @@ def preflight(cfg: RunConfig) -> Preflight:
         require_chat_template(tokenizer, hf_checkpoint_path(cfg))
     rc = cfg.rollout
     local = cfg.engine.rollout_engine == "local" and not rc.load_debug_rollout_data
+    encode = PromptEncoder(tokenizer, cfg.data.apply_chat_template)
+    if cfg.loop.eval_interval:
+        check_eval_lengths(model_config, encode, eval_sets, cfg.eval, rc)
     check_rollout_sizes(
         model_config,
-        PromptEncoder(tokenizer, cfg.data.apply_chat_template),
+        encode,
         [p.text for p in prompts],
-        [p.text for p in eval_prompts or []] if cfg.loop.eval_interval else [],
+        [],  # evaluation prompts: check_eval_lengths, against their own response length
         rc.rollout_batch_size,
         rc.n_samples_per_prompt,
         rc.rollout_max_response_len,
@@ -199,7 +204,7 @@ def preflight(cfg: RunConfig) -> Preflight:
         plan_start(flags, disk),
         flags,
         prompts,
-        eval_prompts,
+        eval_sets,
         reward_fn,
         group_filter,
         buffer_filter,
@@ -215,7 +220,7 @@ class Run:
     actor: Actor
     engine: Engine | None  # None when replaying saved rollout data
     data: PromptSource
-    eval_prompts: list[Prompt] | None
+    eval_sets: list[EvalSet]
     reward_fn: RewardFn
     sampling: SamplingParams
     writer: CheckpointWriter | None
@@ -379,7 +384,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         actor=actor,
         engine=engine,
         data=PromptSource(pre.prompts, cfg.data.rollout_shuffle, cfg.loop.seed),
-        eval_prompts=pre.eval_prompts,
+        eval_sets=pre.eval_sets,
         reward_fn=pre.reward_fn,
         sampling=SamplingParams(
             cfg.rollout.rollout_max_response_len,

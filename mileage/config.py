@@ -22,13 +22,17 @@ def option(
     *,
     flag: str | None = None,
     choices: typing.Sequence[Any] | None = None,
+    nargs: str | None = None,
 ) -> Any:
     """A dataclass field that is also a CLI flag (`--field-name` unless `flag` is given).
+
+    A list field is repeatable (each use appends one value), or with `nargs="+"` takes all its
+    values after one flag (miles' `--eval-prompt-data name path [name path ...]`).
 
     A bool field whose default is False becomes a `store_true` switch; one whose default is True
     needs an explicit negative `flag` such as `--no-load-optim` and becomes `store_false`.
     """
-    meta = {"help": help, "flag": flag, "choices": choices}
+    meta = {"help": help, "flag": flag, "choices": choices, "nargs": nargs}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -59,8 +63,19 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
         )
         kind = _base_type(hints[field.name])
         if typing.get_origin(kind) is list:
-            # a repeatable flag: each use appends one value
             (item,) = typing.get_args(kind)
+            if field.metadata.get("nargs"):
+                group.add_argument(
+                    name,
+                    dest=field.name,
+                    nargs=field.metadata["nargs"],
+                    type=item,
+                    default=None,
+                    help=field.metadata["help"],
+                    metavar=item.__name__.upper(),
+                )
+                continue
+            # a repeatable flag: each use appends one value
             group.add_argument(
                 name,
                 dest=field.name,

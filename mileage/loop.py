@@ -18,7 +18,8 @@ from mileage.faults import fault_point
 from mileage.metrics import EVAL_BEFORE_TRAINING
 from mileage.progress import RunProgress
 from mileage.rollout.dynamic import sample_dynamic
-from mileage.rollout.rollout import evaluate, generate_samples, load_samples, save_samples
+from mileage.rollout.evaluation import evaluate, rollout_passrate, summary
+from mileage.rollout.rollout import generate_samples, load_samples, save_samples
 from mileage.rollout.shaping import shape_rewards
 from mileage.training.batch import mask_truncated, pack_samples
 from mileage.training.mismatch import apply_mismatch
@@ -26,12 +27,22 @@ from mileage.training.mismatch import apply_mismatch
 
 def can_eval(run: Run) -> bool:
     """Evaluation needs held-out prompts and a generator; without them there is nothing to say."""
-    return bool(run.cfg.loop.eval_interval) and bool(run.eval_prompts) and run.engine is not None
+    return bool(run.cfg.loop.eval_interval) and bool(run.eval_sets) and run.engine is not None
 
 
-def run_eval(run: Run) -> float:
-    max_len = run.cfg.rollout.rollout_max_response_len
-    return evaluate(run.engine, run.encode, run.eval_prompts, max_len, run.reward_fn)
+def run_eval(run: Run, rollout_id: int) -> dict[str, float]:
+    """The eval/NAME/... metrics (and eval_accuracy) of the weights after `rollout_id`."""
+    cfg = run.cfg
+    return evaluate(
+        run.engine,
+        run.encode,
+        run.eval_sets,
+        cfg.eval,
+        cfg.rollout,
+        run.reward_fn,
+        cfg.loop.seed,
+        rollout_id,
+    )
 
 
 def eval_due(run: Run, rollout_id: int) -> bool:
@@ -41,10 +52,10 @@ def eval_due(run: Run, rollout_id: int) -> bool:
 
 
 def evaluate_if_due(run: Run, progress: RunProgress, record: dict) -> None:
-    """Add the held-out accuracy to the rollout's record when the eval interval says so."""
+    """Add the held-out metrics to the rollout's record when the eval interval says so."""
     if eval_due(run, record["rollout_id"]):
         progress.phase(record["rollout_id"], "eval")
-        record["eval_accuracy"] = run_eval(run)
+        record |= run_eval(run, record["rollout_id"])
 
 
 def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
@@ -107,9 +118,9 @@ def start(run: Run, progress: RunProgress) -> None:
     cfg = run.cfg
     if can_eval(run) and run.plan.start_rollout_id == 0 and not cfg.loop.skip_eval_before_train:
         # recorded as the point the held-out curve starts from (miles logs it at step 0)
-        accuracy = run_eval(run)
-        run.metrics.log({"rollout_id": EVAL_BEFORE_TRAINING, "eval_accuracy": accuracy})
-        progress.print(f"eval before training: accuracy {accuracy:.3f}")
+        metrics = run_eval(run, EVAL_BEFORE_TRAINING)
+        run.metrics.log({"rollout_id": EVAL_BEFORE_TRAINING, **metrics})
+        progress.print(f"eval before training: {summary(metrics)}")
 
 
 def train(run: Run, progress: RunProgress) -> list[dict]:
@@ -146,6 +157,8 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
             record = rollout_record(
                 rollout_id, prompts, samples, stats, (started, generated, trained, synced)
             )
+            if cfg.eval.log_passrate:
+                record |= rollout_passrate(samples, cfg.rollout.n_samples_per_prompt)
             evaluate_if_due(run, progress, record)
             stop_reason = log_and_save(run, progress, preempt, record, records, checkpoint_state)
             if stop_reason:

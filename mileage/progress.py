@@ -37,6 +37,12 @@ def summary_line(record: dict) -> str:
     ]
     if "eval_accuracy" in record:
         parts.append(f"eval acc {record['eval_accuracy']:.3f}")
+    else:  # several evaluation datasets: each one's mean reward
+        parts += [
+            f"{key} {value:.3f}"
+            for key, value in record.items()
+            if key.count("/") == 1 and key.startswith("eval/")
+        ]
     if "saved" in record:
         parts.append("saved")
     return " | ".join(parts)

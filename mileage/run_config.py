@@ -16,6 +16,7 @@ from mileage.models.lora import LoraConfig
 from mileage.rollout.data import DataConfig
 from mileage.rollout.dynamic import DynamicSamplingConfig
 from mileage.rollout.engines.config import EngineConfig
+from mileage.rollout.evaluation import EvalConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
 from mileage.rollout.shaping import ShapingConfig
@@ -101,6 +102,7 @@ SECTIONS = (
     ("optim", OptimConfig, "optimizer"),
     ("lora", LoraConfig, "LoRA (PEFT)"),
     ("loop", LoopConfig, "loop"),
+    ("eval", EvalConfig, "evaluation"),
     ("parallel", ParallelConfig, "device and distributed (torchrun)"),
     ("tracking", TrackingConfig, "tracking"),
 )
@@ -121,6 +123,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # `mileage train-async` only (and `plan`, which plans for either); defaults elsewhere
@@ -156,6 +159,8 @@ class RunConfig:
         ("loop", "num_rollout"),
         ("loop", "num_epoch"),
         ("loop", "debug_exit_after_rollout"),
+        ("eval", "n_samples_per_eval_prompt"),
+        ("eval", "eval_max_response_len"),
         ("checkpoint", "save_interval"),
         ("checkpoint", "save_keep_last"),
         ("algo", "global_batch_size"),
@@ -168,6 +173,7 @@ class RunConfig:
         ("checkpoint", "ckpt_step"),
         ("checkpoint", "ref_ckpt_step"),
         ("rollout", "rollout_temperature"),
+        ("eval", "eval_temperature"),
         ("optim", "lr"),
         ("optim", "min_lr"),
         ("optim", "lr_warmup_iters"),
@@ -203,8 +209,16 @@ class RunConfig:
                 raise UserError(f"{flag_of(OptimConfig, name)} must be in [0, 1), got {value}")
         if self.loop.num_rollout is not None and self.loop.num_epoch is not None:
             raise UserError("give --num-rollout or --num-epoch, not both")
-        if not 0.0 < r.rollout_top_p <= 1.0:
-            raise UserError(f"--rollout-top-p must be in (0, 1], got {r.rollout_top_p}")
+        for flag, top_p in (
+            ("--rollout-top-p", r.rollout_top_p),
+            ("--eval-top-p", self.eval.eval_top_p),
+        ):
+            if top_p is not None and not 0.0 < top_p <= 1.0:
+                raise UserError(f"{flag} must be in (0, 1], got {top_p}")
+        if self.data.eval_tool_key is not None:
+            raise UserError(
+                "--eval-tool-key: tool calling is not supported yet (evaluation answers in one turn)"
+            )
         self.algo.validate(r.n_samples_per_prompt)
         self.critic.validate(self.algo.advantage_estimator)
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))

@@ -58,6 +58,8 @@ RECORDS_KILLS = (
     f"{RECORDS}::test_evaluation_before_training_is_recorded_once_across_kills_everywhere"
 )
 README_TEST = "tests/test_readme.py"
+EVAL = "tests/test_evaluation.py"
+EVAL_RUN = f"{EVAL}::test_named_eval_sets_log_pass_at_k_and_mileage_eval_reproduces_them"
 README_SAMPLE = (
     f"{README_TEST}::test_rollout_lines_have_the_fields_and_formats_of_the_readme_sample"
 )
@@ -389,8 +391,8 @@ MUTANTS = [
         "row-seed-constant",
         "a remote engine sends every row of a rollout the same sampling seed",
         "mileage/rollout/engines/base.py",
-        'return derive_seed(self.seed, f"rollout/{self.rollout_id}/sample", row)',
-        'return derive_seed(self.seed, f"rollout/{self.rollout_id}/sample", 0)',
+        'derive_seed(self.seed, f"{self.purpose}/{self.rollout_id}/sample", row) & ROW_SEED_MASK',
+        'derive_seed(self.seed, f"{self.purpose}/{self.rollout_id}/sample", 0) & ROW_SEED_MASK',
         (
             f"{ENGINES}::test_two_rollouts_on_two_servers_learn_and_the_servers_follow_the_weights",
             f"{ENGINES}::test_one_server_draws_the_samples_of_two",
@@ -546,16 +548,16 @@ MUTANTS = [
         "seed-rollout-id-dropped-in-process",
         "the in-process engine samples every rollout from the same generator",
         "mileage/rollout/engines/base.py",
-        'generator_for(self.seed, "rollout", self.rollout_id)',
-        'generator_for(self.seed, "rollout", 0)',
+        "generator_for(self.seed, self.purpose, self.rollout_id)",
+        "generator_for(self.seed, self.purpose, 0)",
         (SEEDS,),
     ),
     Mutant(
         "seed-rollout-id-dropped-in-row-seeds",
         "remote engines send the same row seeds in every rollout",
         "mileage/rollout/engines/base.py",
-        'f"rollout/{self.rollout_id}/sample"',
-        '"rollout/sample"',
+        'f"{self.purpose}/{self.rollout_id}/sample"',
+        'f"{self.purpose}/sample"',
         (SEEDS,),
     ),
     Mutant(
@@ -668,7 +670,7 @@ MUTANTS = [
         "eval-before-training-not-recorded",
         "the evaluation before training is printed but not written to metrics.jsonl/trackers",
         "mileage/loop.py",
-        '        run.metrics.log({"rollout_id": EVAL_BEFORE_TRAINING, "eval_accuracy": accuracy})\n',
+        '        run.metrics.log({"rollout_id": EVAL_BEFORE_TRAINING, **metrics})\n',
         "",
         (RECORDS_KILLS,),
     ),
@@ -1060,6 +1062,65 @@ MUTANTS = [
         "        return [buffer.groups.popleft() for _ in range(min(count, len(buffer.groups)))]\n",
         "        return [buffer.groups.pop() for _ in range(min(count, len(buffer.groups)))]\n",
         (DYNAMIC_ROUNDS,),
+    ),
+    Mutant(
+        "pass-at-k-biased",
+        "pass@k is the fraction of correct answers (the biased estimator), not 1 - C(n-c,k)/C(n,k)",
+        "mileage/rollout/evaluation.py",
+        "    return 1.0 - math.comb(n - c, k) / math.comb(n, k)\n",
+        "    return c / n\n",
+        (f"{EVAL}::test_pass_at_k_is_the_closed_form_of_chen_et_al",),
+    ),
+    Mutant(
+        "pass-rates-first-group-only",
+        "pass@k of a dataset is the first prompt's, not the mean over its prompts",
+        "mileage/rollout/evaluation.py",
+        "        for i in range(0, len(rewards), group_size)\n",
+        "        for i in range(0, group_size, group_size)\n",
+        (f"{EVAL}::test_pass_rates_average_groups_at_powers_of_two_and_n",),
+    ),
+    Mutant(
+        "eval-seeds-are-training-seeds",
+        "sampled evaluation at rollout N draws training's numbers of rollout N",
+        "mileage/rollout/evaluation.py",
+        '    return SamplingSeed(seed, rollout_id, f"eval/{name}")\n',
+        "    return SamplingSeed(seed, rollout_id)\n",
+        (f"{EVAL}::test_eval_seeds_are_deterministic_and_never_training_s",),
+    ),
+    Mutant(
+        "eval-seeds-shared-by-datasets",
+        "every evaluation dataset draws the same numbers",
+        "mileage/rollout/evaluation.py",
+        '    return SamplingSeed(seed, rollout_id, f"eval/{name}")\n',
+        '    return SamplingSeed(seed, rollout_id, "eval")\n',
+        (f"{EVAL}::test_eval_seeds_are_deterministic_and_never_training_s",),
+    ),
+    Mutant(
+        "eval-always-greedy",
+        "--n-samples-per-eval-prompt 4 without --eval-temperature samples 4 greedy copies",
+        "mileage/rollout/evaluation.py",
+        "            temperature = (\n                0.0 if self.n_samples_per_eval_prompt == 1 else rollout.rollout_temperature\n            )\n",
+        "            temperature = 0.0\n",
+        (EVAL_RUN,),
+    ),
+    Mutant(
+        "eval-name-without-path-accepted",
+        "--eval-prompt-data a PATH b: the odd name is not refused in one line",
+        "mileage/rollout/data.py",
+        "    if len(values) % 2:\n",
+        "    if False:\n",
+        (
+            f"{EVAL}::test_bad_eval_input_is_one_line_exit_2",
+            f"{EVAL}::test_eval_prompt_data_pairs_and_a_single_path",
+        ),
+    ),
+    Mutant(
+        "mileage-eval-seeds-of-rollout-0",
+        "`mileage eval` samples iter_N with rollout 0's seeds, not those training's evaluation used",
+        "mileage/cli/eval_command.py",
+        "            -1 if rollout_id is None else int(rollout_id),\n",
+        "            0,\n",
+        (EVAL_RUN,),
     ),
 ]
 

@@ -35,7 +35,14 @@ def item_scores(flags: list[str]) -> list[float]:
     restore(run, lambda *_: None)
     params = SamplingParams(max_new_tokens=MAX_LEN, temperature=0.0)
     samples = generate_samples(
-        run.engine, run.encode, run.eval_prompts, params, 1, run.reward_fn, seed=0, rollout_id=0
+        run.engine,
+        run.encode,
+        run.eval_sets[0].prompts,
+        params,
+        1,
+        run.reward_fn,
+        seed=0,
+        rollout_id=0,
     )
     return [s.reward for s in samples]
 

@@ -25,6 +25,8 @@ POSITIVE_FLAGS = [
     "--global-batch-size",
     "--micro-batch-size",
     "--lr-decay-iters",
+    "--n-samples-per-eval-prompt",
+    "--eval-max-response-len",
 ]
 NON_NEGATIVE_FLAGS = [
     "--eval-interval",
@@ -38,6 +40,7 @@ NON_NEGATIVE_FLAGS = [
     "--weight-decay",
     "--adam-eps",
     "--clip-grad",
+    "--eval-temperature",
 ]
 LIMIT_CASES = {
     **{f"{flag} 0": ([flag, "0"], f"{flag} must be positive, got 0") for flag in POSITIVE_FLAGS},
@@ -47,6 +50,7 @@ LIMIT_CASES = {
     "--adam-beta2 -0.1": (["--adam-beta2", "-0.1"], "--adam-beta2 must be in [0, 1), got -0.1"),
     "--rollout-top-p 1.5": (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1]"),
     "--rollout-top-p 0": (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1]"),
+    "--eval-top-p 1.5": (["--eval-top-p", "1.5"], "--eval-top-p must be in (0, 1]"),
 }
 
 

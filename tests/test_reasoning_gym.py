@@ -10,7 +10,7 @@ from conftest import fast_train_args
 
 from mileage.checkpoint.inspect import list_checkpoints
 from mileage.errors import UserError
-from mileage.rollout.data import DataConfig, load_eval_prompts, load_train_prompts, task_reward
+from mileage.rollout.data import DataConfig, load_eval_sets, load_train_prompts, task_reward
 from mileage.rollout.gym import EVAL_SEED_OFFSET, GymSpec, extract_answer, parse_gym_spec
 
 ONE_DIGIT = "basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=1&operators=+,-"
@@ -86,11 +86,16 @@ def test_prompts_are_the_same_on_every_machine():
 def test_held_out_split_is_disjoint_and_scored_by_the_task():
     spec = "gym:basic_arithmetic?size=300&seed=3&max_terms=2&max_digits=2&operators=+"
     cfg = DataConfig(prompt_data=spec)
-    train, held_out = load_train_prompts(cfg), load_eval_prompts(cfg)
+    train, (held_out_set,) = load_train_prompts(cfg), load_eval_sets(cfg)
+    held_out = held_out_set.prompts
+    assert held_out_set.name == "basic_arithmetic"  # named after the task
     assert len(train) == 300 and len(held_out) == 100
     assert not {p.text for p in train} & {p.text for p in held_out}
-    explicit = DataConfig(prompt_data=spec, eval_prompt_data=spec.replace("size=300", "size=7"))
-    assert load_eval_prompts(explicit) == train[:7]  # an explicit eval spec is taken as given
+    explicit = DataConfig(prompt_data=spec, eval_prompt_data=[spec.replace("size=300", "size=7")])
+    # an explicit eval spec is taken as given
+    assert [(s.name, s.prompts) for s in load_eval_sets(explicit)] == [
+        ("basic_arithmetic", train[:7])
+    ]
     reward = task_reward(cfg)
     item = held_out[0]
     assert reward(item.text, item.label, item.label) == 1.0

@@ -88,6 +88,12 @@ def test_long_evaluation_prompt_is_refused(capsys, tiny_hf, tmp_path):
             "--eval-interval", 1]  # fmt: skip
     line = refused(capsys, args, tmp_path / "s")
     assert "evaluation prompt 1 of 71 tokens plus --rollout-max-response-len 4" in line
+    # its own response length; with several datasets the message names the dataset
+    short = write_jsonl(tmp_path / "f.jsonl", ["5+5=", "9" * 40])
+    args = [*fast_train_args(tiny_hf), "--prompt-data", data, "--eval-interval", 1,
+            "--eval-prompt-data", "a", data, "b", short, "--eval-max-response-len", 30]  # fmt: skip
+    line = refused(capsys, args, tmp_path / "s")
+    assert "evaluation prompt 1 (dataset b) of 41 tokens plus --eval-max-response-len 30" in line
 
 
 def test_batch_larger_than_the_data_is_refused(capsys, tiny_hf, tmp_path, mileage_home):

@@ -1,4 +1,4 @@
-"""`mileage` command line: train, plan, ckpt, convert, export-hf, plot.
+"""`mileage` command line: train, plan, eval, ckpt, convert, export-hf, plot.
 
 Every user error (bad flag, missing file, refused checkpoint state) is printed as one line
 `mileage: error: ...` with exit code 2 and no traceback.
@@ -68,7 +68,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mileage import serve
-    from mileage.cli import ckpt_commands, model_commands
+    from mileage.cli import ckpt_commands, eval_command, model_commands
     from mileage.run_config import RunConfig
 
     parser = _Parser(prog="mileage", description="RL post-training with exact resume.")
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(func=_cmd_plan)
 
+    eval_command.register(sub)
     ckpt_commands.register(sub)
     model_commands.register(sub)
     serve.register(sub)

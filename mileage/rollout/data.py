@@ -40,10 +40,17 @@ class DataConfig:
     builtin_task: str = option(
         "addition", "built-in task when --prompt-data is unset", choices=TASKS
     )
-    eval_prompt_data: str | None = option(
+    eval_prompt_data: list[str] | None = option(
         None,
-        "evaluation prompts, in any --prompt-data form (default: the held-out split of the "
-        "built-in task or of a gym: task; none for a file)",
+        "evaluation datasets as NAME PATH pairs, each PATH in any --prompt-data form; one PATH "
+        "alone is named after its file or gym task (default: the held-out split of the built-in "
+        "task or of a gym: task; none for a file)",
+        nargs="+",
+    )
+    eval_input_key: str | None = option(None, "--input-key of the evaluation data (default: it)")
+    eval_label_key: str | None = option(None, "--label-key of the evaluation data (default: it)")
+    eval_tool_key: str | None = option(
+        None, "key of the evaluation data's tool specs (refused: tool calling is not supported yet)"
     )
 
 
@@ -54,7 +61,20 @@ class Prompt:
     label: str
 
 
-def load_jsonl(path: str, input_key: str, label_key: str) -> list[Prompt]:
+@dataclass(frozen=True)
+class EvalSet:
+    """One named evaluation dataset; its metrics are logged as `eval/NAME/...`."""
+
+    name: str
+    prompts: list[Prompt]
+
+
+KEY_FLAGS = "--input-key/--label-key"
+
+
+def load_jsonl(
+    path: str, input_key: str, label_key: str, key_flags: str = KEY_FLAGS
+) -> list[Prompt]:
     """Read prompts from JSONL, naming the file and line of the first bad record."""
     file = Path(path)
     if not file.is_file():
@@ -70,16 +90,16 @@ def load_jsonl(path: str, input_key: str, label_key: str) -> list[Prompt]:
                 raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
             for key in (input_key, label_key):
                 if not isinstance(record, dict) or key not in record:
-                    raise UserError(
-                        f"{path}:{lineno}: missing key {key!r} (set --input-key/--label-key)"
-                    )
+                    raise UserError(f"{path}:{lineno}: missing key {key!r} (set {key_flags})")
             prompts.append(Prompt(len(prompts), str(record[input_key]), str(record[label_key])))
     if not prompts:
         raise UserError(f"prompt file is empty: {path}")
     return prompts
 
 
-def load_parquet(path: str, input_key: str, label_key: str) -> list[Prompt]:
+def load_parquet(
+    path: str, input_key: str, label_key: str, key_flags: str = KEY_FLAGS
+) -> list[Prompt]:
     """Read prompts from the `input_key` and `label_key` columns of a Parquet file."""
     if not Path(path).is_file():
         raise UserError(f"prompt file not found: {path}")
@@ -92,7 +112,7 @@ def load_parquet(path: str, input_key: str, label_key: str) -> list[Prompt]:
         missing = [key for key in (input_key, label_key) if key not in columns]
         if missing:
             raise UserError(
-                f"{path}: missing column {missing[0]!r} (set --input-key/--label-key); "
+                f"{path}: missing column {missing[0]!r} (set {key_flags}); "
                 f"columns: {', '.join(columns)}"
             )
         table = pq.read_table(path, columns=[input_key, label_key]).to_pydict()
@@ -122,23 +142,61 @@ def _gym_train(cfg: DataConfig) -> tuple[gym.GymSpec, Any, list[dict]]:
     return (spec, *gym.gym_entries(spec))
 
 
-def _gym_eval(cfg: DataConfig) -> tuple[gym.GymSpec, Any, list[dict]] | None:
-    """The gym spec, dataset and items for evaluation, or None when it is not on a gym task."""
-    if gym.is_gym_spec(cfg.eval_prompt_data):
-        spec = gym.parse_gym_spec(cfg.eval_prompt_data, "--eval-prompt-data")
-        return (spec, *gym.gym_entries(spec))
-    if cfg.eval_prompt_data or not gym.is_gym_spec(cfg.prompt_data):
-        return None
+def eval_sources(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(name, source) of each --eval-prompt-data dataset, in the order given.
+
+    miles' pairs; a single value is one dataset named after its file (`aime-2024.jsonl` ->
+    `aime-2024`) or its gym task, so `--eval-prompt-data test.jsonl` keeps working.
+    """
+    values = list(cfg.eval_prompt_data or [])
+    if len(values) == 1:
+        source = values[0]
+        name = (
+            gym.parse_gym_spec(source, "--eval-prompt-data").task
+            if gym.is_gym_spec(source)
+            else Path(source).stem
+        )
+        return [(name, source)]
+    if len(values) % 2:
+        raise UserError(f"--eval-prompt-data takes NAME PATH pairs; {values[-1]!r} has no path")
+    pairs = [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    seen: set[str] = set()
+    for name, _ in pairs:
+        if not name or "/" in name or name != name.strip():
+            raise UserError(
+                f"--eval-prompt-data: dataset name {name!r} must be non-empty, without '/' or "
+                "surrounding spaces (it becomes the metric key eval/NAME/...)"
+            )
+        if name in seen:
+            raise UserError(f"--eval-prompt-data: dataset name {name!r} is given twice")
+        seen.add(name)
+    return pairs
+
+
+def _gym_evals(cfg: DataConfig) -> list[tuple[str, tuple[gym.GymSpec, Any, list[dict]]]]:
+    """(name, (gym spec, dataset, items)) of each evaluation dataset that is a gym task: the
+    --eval-prompt-data ones, or the training task's held-out split when none is given."""
+    if cfg.eval_prompt_data:
+        parts = []
+        for name, source in eval_sources(cfg):
+            if gym.is_gym_spec(source):
+                spec = gym.parse_gym_spec(source, "--eval-prompt-data")
+                parts.append((name, (spec, *gym.gym_entries(spec))))
+        return parts
+    if not gym.is_gym_spec(cfg.prompt_data):
+        return []
     train_questions = frozenset(e["question"] for e in _gym_train(cfg)[2])
     spec = gym.parse_gym_spec(cfg.prompt_data).held_out()
-    return (spec, *gym.gym_entries(spec, train_questions))
+    return [(spec.task, (spec, *gym.gym_entries(spec, train_questions)))]
 
 
-def load_prompts(source: str, input_key: str, label_key: str) -> list[Prompt]:
+def load_prompts(
+    source: str, input_key: str, label_key: str, key_flags: str = KEY_FLAGS
+) -> list[Prompt]:
     """Prompts from a JSONL or Parquet file (by suffix); gym: specs go through `gym`."""
     if source.endswith(".parquet"):
-        return load_parquet(source, input_key, label_key)
-    return load_jsonl(source, input_key, label_key)
+        return load_parquet(source, input_key, label_key, key_flags)
+    return load_jsonl(source, input_key, label_key, key_flags)
 
 
 def load_train_prompts(cfg: DataConfig) -> list[Prompt]:
@@ -150,25 +208,41 @@ def load_train_prompts(cfg: DataConfig) -> list[Prompt]:
     return _from_records(builtin_task(cfg.builtin_task)[0])
 
 
-def load_eval_prompts(cfg: DataConfig) -> list[Prompt] | None:
-    held_out = _gym_eval(cfg)
-    if held_out is not None:
-        return _gym_prompts(held_out[0], held_out[2])
+def load_eval_sets(cfg: DataConfig) -> list[EvalSet]:
+    """The evaluation datasets, in --eval-prompt-data order ([] when there are none)."""
+    gyms = dict(_gym_evals(cfg))
     if cfg.eval_prompt_data:
-        return load_prompts(cfg.eval_prompt_data, cfg.input_key, cfg.label_key)
+        input_key = cfg.eval_input_key or cfg.input_key
+        label_key = cfg.eval_label_key or cfg.label_key
+        return [
+            EvalSet(
+                name,
+                _gym_prompts(gyms[name][0], gyms[name][2])
+                if name in gyms
+                else load_prompts(
+                    source, input_key, label_key, "--eval-input-key/--eval-label-key"
+                ),
+            )
+            for name, source in eval_sources(cfg)
+        ]
+    if gyms:
+        ((name, (spec, _, entries)),) = gyms.items()
+        return [EvalSet(name, _gym_prompts(spec, entries))]
     if cfg.prompt_data:
-        return None
-    return _from_records(builtin_task(cfg.builtin_task)[1])
+        return []
+    return [EvalSet(cfg.builtin_task, _from_records(builtin_task(cfg.builtin_task)[1]))]
 
 
 def task_reward(cfg: DataConfig) -> Callable[[str, str, str], float] | None:
     """The task's own scorer when the prompts come from reasoning-gym, else None."""
-    if not gym.is_gym_spec(cfg.prompt_data) and not gym.is_gym_spec(cfg.eval_prompt_data):
+    gym_evals = _gym_evals(cfg)
+    if not gym.is_gym_spec(cfg.prompt_data) and not gym_evals:
         return None
     scorer = gym.GymScorer()
-    for part in (_gym_train(cfg) if gym.is_gym_spec(cfg.prompt_data) else None, _gym_eval(cfg)):
-        if part is not None:
-            scorer.add(*part)
+    if gym.is_gym_spec(cfg.prompt_data):
+        scorer.add(*_gym_train(cfg))
+    for _, part in gym_evals:
+        scorer.add(*part)
     return scorer
 
 

@@ -133,19 +133,6 @@ def inadmissible(versions: list[int | None], newest: int, max_staleness: int | N
     return None
 
 
-def evaluate(
-    engine: Engine,
-    encode: PromptEncoder,
-    prompts: list[Prompt],
-    max_new_tokens: int,
-    reward_fn: RewardFn,
-) -> float:
-    """Greedy accuracy (mean reward) on held-out prompts."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    samples = generate_samples(engine, encode, prompts, params, 1, reward_fn, seed=0, rollout_id=0)
-    return sum(s.reward for s in samples) / max(1, len(samples))
-
-
 def save_samples(template: str, rollout_id: int, samples: list[Sample]) -> Path:
     """Write a rollout's samples as JSON (floats round-trip exactly), atomically."""
     path = Path(template.format(rollout_id=rollout_id))

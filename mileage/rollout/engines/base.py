@@ -34,16 +34,21 @@ class SamplingSeed:
 
     seed: int
     rollout_id: int
+    # what is sampled: training's rollouts, or an evaluation ("eval/NAME", rollout/evaluation.py),
+    # so the two never draw the same numbers
+    purpose: str = "rollout"
 
     def generator(self) -> torch.Generator:
         """One generator for the whole rollout (the in-process engine)."""
-        return generator_for(self.seed, "rollout", self.rollout_id)
+        return generator_for(self.seed, self.purpose, self.rollout_id)
 
     def row_seed(self, row: int) -> int:
         """The seed of sample `row` of the rollout (remote engines: SGLang's `sampling_seed`,
-        vLLM's `seed`), keyed on (seed, rollout id, row). 31 bits: some SGLang builds keep
+        vLLM's `seed`), keyed on (seed, purpose, rollout id, row). 31 bits: some SGLang builds keep
         seeds in an int32 tensor, which a larger value overflows (the scheduler crashes)."""
-        return derive_seed(self.seed, f"rollout/{self.rollout_id}/sample", row) & ROW_SEED_MASK
+        return (
+            derive_seed(self.seed, f"{self.purpose}/{self.rollout_id}/sample", row) & ROW_SEED_MASK
+        )
 
 
 def check_sample(

@@ -1,0 +1,129 @@
+"""`mileage eval --load RUN`: evaluate a checkpoint without training.
+
+It takes `train`'s flags, so the evaluation flags of a training command (`--eval-prompt-data`,
+`--n-samples-per-eval-prompt`, `--eval-temperature`, ...) mean the same here. The checkpoint is
+the one RUN's tracker names, or `--ckpt-step K`. Nothing is written: not into RUN (no metrics
+line, no lock, no tracker points) and nowhere else; the metrics go to stdout.
+
+A sampled evaluation of iter_N draws with the seeds training's evaluation after rollout N drew
+(`evaluation.eval_seed`), so on the same machine and flags it reproduces that record's
+eval/... values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from mileage.errors import UserError
+
+
+def register(sub) -> None:
+    from mileage.run_config import RunConfig
+
+    parser = sub.add_parser(
+        "eval", help="evaluate a checkpoint of --load RUN on --eval-prompt-data, without training"
+    )
+    RunConfig.add_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from mileage.run_config import RunConfig
+
+    cfg = RunConfig.from_args(args)
+    result = evaluate_checkpoint(cfg, lambda line: print(line, file=sys.stderr))
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        print(describe(result))
+    return 0
+
+
+def evaluate_checkpoint(cfg, log) -> dict:
+    """{"checkpoint", "rollout_id", "metrics"} of the checkpoint --load/--ckpt-step selects."""
+    from mileage.checkpoint.meta import recorded_model_dir, recorded_source, selected_checkpoint
+    from mileage.components import _load_weights
+    from mileage.models.hf import load_tokenizer, read_config_json
+    from mileage.rollout.data import load_eval_sets, task_reward
+    from mileage.rollout.engines.factory import build_engine
+    from mileage.rollout.evaluation import check_eval_lengths, evaluate
+    from mileage.rollout.rewards import build_reward_fn
+    from mileage.rollout.rollout import PromptEncoder
+    from mileage.seeding import configure_determinism
+
+    ck = cfg.checkpoint
+    if not ck.load:
+        raise UserError("mileage eval needs --load RUN (a save directory) to evaluate")
+    checkpoint = selected_checkpoint(ck.load, ck.ckpt_step, "--ckpt-step")
+    if not checkpoint.is_dir():
+        raise UserError(f"{checkpoint} does not exist")
+    ignored = [
+        flag
+        for flag, given in (
+            ("--save", ck.save),
+            ("--save-hf", ck.save_hf),
+            ("--use-wandb", cfg.tracking.use_wandb),
+            ("--use-tensorboard", cfg.tracking.use_tensorboard),
+        )
+        if given
+    ]
+    if ignored:
+        log(f"mileage eval writes nothing: ignoring {', '.join(ignored)}")
+    source = recorded_source(checkpoint) or {}
+    data = cfg.data
+    if source.get("builtin_task") and not data.prompt_data:
+        # the default held-out set is the task the checkpoint was trained on
+        data = replace(data, builtin_task=source["builtin_task"])
+    eval_sets = load_eval_sets(data)
+    if not eval_sets:
+        raise UserError("nothing to evaluate: give --eval-prompt-data NAME PATH [NAME PATH ...]")
+    reward_fn = build_reward_fn(cfg.reward, task_reward(data))
+    config_dir = ck.hf_checkpoint or recorded_model_dir(checkpoint, log)
+    configure_determinism(cfg.loop.seed, cfg.loop.num_threads)
+    tokenizer = load_tokenizer(config_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    encode = PromptEncoder(tokenizer, data.apply_chat_template)
+    check_eval_lengths(read_config_json(config_dir), encode, eval_sets, cfg.eval, cfg.rollout)
+    model = _load_weights(str(checkpoint), "native", config_dir)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    rollout_id = meta.get("rollout_id")
+    engine = build_engine(
+        cfg.engine, model, tokenizer.pad_token_id, tokenizer.eos_token_id, config_dir, log
+    )
+    try:
+        engine.update_weights(model, int(meta.get("global_step") or 0))
+        metrics = evaluate(
+            engine,
+            encode,
+            eval_sets,
+            cfg.eval,
+            cfg.rollout,
+            reward_fn,
+            cfg.loop.seed,
+            # a release checkpoint is the weights training would start from
+            -1 if rollout_id is None else int(rollout_id),
+        )
+    finally:
+        engine.close()
+    return {"checkpoint": str(Path(checkpoint)), "rollout_id": rollout_id, "metrics": metrics}
+
+
+def describe(result: dict) -> str:
+    """The human-readable report: one line per dataset."""
+    metrics = result["metrics"]
+    lines = [f"checkpoint {result['checkpoint']} (rollout {result['rollout_id']})"]
+    for key, value in metrics.items():
+        if key.startswith("eval/") and key.count("/") == 1:
+            rest = [
+                f"{name.rsplit('/', 1)[1]} {metrics[name]:.4g}"
+                for name in metrics
+                if name.startswith(f"{key}/")
+            ]
+            lines.append(f"{key[5:]}: reward {value:.4f} | " + " | ".join(rest))
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""Evaluation as miles runs it: named datasets, several samples per prompt, pass@k.
+
+Each `--eval-prompt-data NAME PATH` dataset is evaluated with `--n-samples-per-eval-prompt`
+answers per prompt and logged as
+
+    eval/NAME                  mean reward (miles' key)
+    eval/NAME/pass@k           unbiased pass@k (Chen et al. 2021), k = 1, 2, 4, ... and n
+    eval/NAME/truncated_ratio  answers cut off by --eval-max-response-len
+    eval/NAME/response_len     mean answer length in tokens
+
+and, with exactly one dataset, `eval_accuracy` (its mean reward: the key the progress line,
+`mileage plot` and the recipes read). An answer is correct when its reward is >= 1.
+
+Sampled evaluation at rollout N of dataset NAME draws from `SamplingSeed(seed, N,
+"eval/NAME")`: a pure function of the run's seed, the rollout and the dataset, so a resumed run
+evaluates exactly as the uninterrupted one did, and never the numbers training samples with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mileage.config import option
+from mileage.errors import UserError
+from mileage.rollout.data import EvalSet
+from mileage.rollout.engines.base import Engine, SamplingParams, SamplingSeed
+from mileage.rollout.rewards import RewardFn, score_all
+from mileage.rollout.rollout import PromptEncoder, RolloutConfig, Sample
+from mileage.rollout.sizes import context_length, length_problem, prompt_over
+
+# an answer with at least this reward counts as correct (as for the rollouts' `accuracy`)
+CORRECT = 1.0
+
+
+@dataclass
+class EvalConfig:
+    n_samples_per_eval_prompt: int = option(1, "answers sampled per evaluation prompt")
+    eval_temperature: float | None = option(
+        None,
+        "evaluation sampling temperature (default: greedy with one answer per prompt, "
+        "--rollout-temperature with more)",
+    )
+    eval_top_p: float | None = option(None, "evaluation nucleus mass (default: --rollout-top-p)")
+    eval_max_response_len: int | None = option(
+        None, "max new tokens per evaluation answer (default: --rollout-max-response-len)"
+    )
+    log_passrate: bool = option(
+        False, "log pass@k of each training rollout's groups as passrate/pass@k"
+    )
+
+    def sampling(self, rollout: RolloutConfig) -> SamplingParams:
+        """The evaluation's sampling parameters; unset ones are the rollout's (as in miles)."""
+        temperature = self.eval_temperature
+        if temperature is None:
+            # one greedy answer is the exact held-out accuracy mileage has always measured;
+            # several answers per prompt only make sense sampled
+            temperature = (
+                0.0 if self.n_samples_per_eval_prompt == 1 else rollout.rollout_temperature
+            )
+        return SamplingParams(
+            max_new_tokens=self.eval_max_response_len or rollout.rollout_max_response_len,
+            temperature=temperature,
+            top_p=self.eval_top_p if self.eval_top_p is not None else rollout.rollout_top_p,
+        )
+
+
+def check_eval_lengths(
+    config: dict,
+    encode: PromptEncoder,
+    eval_sets: list[EvalSet],
+    cfg: EvalConfig,
+    rollout: RolloutConfig,
+) -> None:
+    """Refuse, before the run, an evaluation prompt that cannot fit the model's context with
+    the evaluation's response length after it (named by the flag it comes from)."""
+    max_new_tokens = cfg.sampling(rollout).max_new_tokens
+    flag = "--eval-max-response-len" if cfg.eval_max_response_len else "--rollout-max-response-len"
+    problem = length_problem(config, 0, max_new_tokens, flag)
+    if problem:
+        raise UserError(problem)
+    context = context_length(config)
+    if context is None:
+        return
+    for eval_set in eval_sets:
+        texts = [p.text for p in eval_set.prompts]
+        over = prompt_over(texts, encode, context - max_new_tokens)
+        if over:
+            index, count = over
+            where = f"evaluation prompt {index}"
+            if len(eval_sets) > 1:
+                where += f" (dataset {eval_set.name})"
+            raise UserError(length_problem(config, count, max_new_tokens, flag, where))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from `c` correct of `n` answers: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0  # every k-subset holds a correct answer
+    # exact integers, one rounding in the division
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """k = 1, 2, 4, ... up to n, and n itself."""
+    ks = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+    return ks if ks[-1] == n else [*ks, n]
+
+
+def pass_rates(rewards: list[float], group_size: int) -> dict[str, float]:
+    """pass@k averaged over groups of `group_size` consecutive answers to one prompt."""
+    if not rewards or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards do not form groups of {group_size}")
+    correct = [
+        sum(r >= CORRECT for r in rewards[i : i + group_size])
+        for i in range(0, len(rewards), group_size)
+    ]
+    return {
+        f"pass@{k}": sum(pass_at_k(group_size, c, k) for c in correct) / len(correct)
+        for k in pass_ks(group_size)
+    }
+
+
+def eval_seed(seed: int, rollout_id: int, name: str) -> SamplingSeed:
+    """Where dataset `name`'s evaluation at `rollout_id` draws from (never training's numbers)."""
+    return SamplingSeed(seed, rollout_id, f"eval/{name}")
+
+
+def sample_answers(
+    engine: Engine,
+    encode: PromptEncoder,
+    eval_set: EvalSet,
+    params: SamplingParams,
+    n_samples: int,
+    reward_fn: RewardFn,
+    seed: SamplingSeed | None,
+) -> list[Sample]:
+    """`n_samples` scored answers per prompt of `eval_set`, those of one prompt contiguous."""
+    expanded = [p for p in eval_set.prompts for _ in range(n_samples)]
+    completions = engine.generate(
+        [encode(p.text) for p in expanded], params, seed, group_size=n_samples
+    )
+    decode = encode.tokenizer.decode
+    texts = [decode(c.response_ids, skip_special_tokens=True) for c in completions]
+    rewards = score_all(
+        reward_fn, [(p.text, t, p.label) for p, t in zip(expanded, texts, strict=True)]
+    )
+    return [
+        Sample(p, c.prompt_ids, c.response_ids, c.logprobs, t, r, c.finished, c.weight_version)
+        for p, c, t, r in zip(expanded, completions, texts, rewards, strict=True)
+    ]
+
+
+def evaluate(
+    engine: Engine,
+    encode: PromptEncoder,
+    eval_sets: list[EvalSet],
+    cfg: EvalConfig,
+    rollout: RolloutConfig,
+    reward_fn: RewardFn,
+    seed: int,
+    rollout_id: int,
+) -> dict[str, float]:
+    """The evaluation metrics of the current weights, as record keys (see the module doc)."""
+    params = cfg.sampling(rollout)
+    n = cfg.n_samples_per_eval_prompt
+    metrics: dict[str, float] = {}
+    for eval_set in eval_sets:
+        # greedy decoding draws nothing: no seed, so a remote engine may batch it freely
+        sampling_seed = None if params.greedy else eval_seed(seed, rollout_id, eval_set.name)
+        samples = sample_answers(engine, encode, eval_set, params, n, reward_fn, sampling_seed)
+        rewards = [s.reward for s in samples]
+        key = f"eval/{eval_set.name}"
+        metrics[key] = sum(rewards) / len(rewards)
+        metrics |= {f"{key}/{name}": v for name, v in pass_rates(rewards, n).items()}
+        metrics[f"{key}/truncated_ratio"] = sum(not s.finished for s in samples) / len(samples)
+        metrics[f"{key}/response_len"] = sum(len(s.response_ids) for s in samples) / len(samples)
+    if len(eval_sets) == 1:
+        metrics["eval_accuracy"] = metrics[f"eval/{eval_sets[0].name}"]
+    return metrics
+
+
+def rollout_passrate(samples: list[Sample], group_size: int) -> dict[str, float]:
+    """`--log-passrate`: pass@k of a training rollout's groups, as miles' passrate/pass@k."""
+    rates = pass_rates([s.reward for s in samples], group_size)
+    return {f"passrate/{name}": value for name, value in rates.items()}
+
+
+def summary(metrics: dict[str, float]) -> str:
+    """One line: `accuracy X` for a single dataset, else each dataset's mean reward and pass@n."""
+    if "eval_accuracy" in metrics:
+        return f"accuracy {metrics['eval_accuracy']:.3f}"
+    parts = []
+    for key, value in metrics.items():
+        if key.startswith("eval/") and key.count("/") == 1:
+            passes = [k for k in metrics if k.startswith(f"{key}/pass@")]
+            best = (
+                f" (pass@{passes[-1].rsplit('@', 1)[1]} {metrics[passes[-1]]:.3f})"
+                if len(passes) > 1
+                else ""
+            )
+            parts.append(f"{key[5:]} {value:.3f}{best}")
+    return "; ".join(parts)
