@@ -11,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 from mileage.errors import UserError
-from mileage.rollout.engines import mismatch as mm
+from mileage.training import mismatch as mm
 from mileage.training.batch import TrainBatch
 from mileage.training.corrections import (
     MILES_ICEPOP,
