@@ -161,7 +161,9 @@ def trained_run(hf_dir: str | None, threads: int, save: Path | None, extra: tupl
     argv += ["--hf-checkpoint", hf_dir] if hf_dir else []
     argv += ["--save", str(save)] if save else []
     cfg = RunConfig.from_args(build_parser().parse_args(argv))
-    run = components.build_run(cfg, components.preflight(cfg), log=lambda _: None)
+    from mileage.preflight import preflight
+
+    run = components.build_run(cfg, preflight(cfg), log=lambda _: None)
     ids = torch.randint(0, run.model.config.vocab_size, (2, 12), generator=torch.Generator())
     batch = TrainBatch(ids, torch.ones_like(ids), torch.ones(2, 11), None, torch.tensor([0.0, 1.0]))
     with torch.no_grad():

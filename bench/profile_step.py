@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from mileage.cli.main import build_parser
-    from mileage.components import build_run, preflight, restore
+    from mileage.components import build_run, restore
+    from mileage.preflight import preflight
     from mileage.rollout.rollout import generate_samples
     from mileage.run_config import RunConfig
     from mileage.training.batch import pack_samples

@@ -1,29 +1,23 @@
-"""Builds the parts of a run from its config and plan, restores them, and captures their state.
+"""Builds the parts of a run from its config and plan (made in `preflight.py`), restores them,
+and captures their state.
 
 Everything here is plumbing; the algorithm itself reads top to bottom in `loop.py`.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
-from mileage.checkpoint.layout import META, DirState
 from mileage.checkpoint.meta import (
     checkpoint_meta,
     model_source,
-    recorded_model_dir,
-    recorded_source,
-    selected_checkpoint,
 )
 from mileage.checkpoint.plan import (
     RESUME,
     ResumePlan,
-    StartFlags,
     gather_disk_state,
-    plan_start,
     reference_source,
 )
 from mileage.checkpoint.store import (
@@ -48,48 +42,35 @@ from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.errors import UserError
 from mileage.metrics import MetricsLog
 from mileage.models.hf import (
-    check_weight_files,
     empty_causal_lm,
     load_causal_lm,
     load_tokenizer,
     read_config_json,
-    require_chat_template,
 )
 from mileage.models.lora import adapter_tensors
 from mileage.models.tensors import model_tensors
 from mileage.models.tiny import (
-    build_char_tokenizer,
-    builtin_model_dir,
     ensure_builtin_model,
-    tiny_llama_config,
 )
+from mileage.preflight import Preflight
 from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
 from mileage.rollout.data import (
     EvalSet,
-    Prompt,
     PromptSource,
-    load_eval_sets,
-    load_train_prompts,
-    task_reward,
 )
 from mileage.rollout.dynamic import (
     BufferFilter,
     GroupFilter,
-    load_function,
-    load_group_filter,
     new_buffer,
 )
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.factory import build_engine
-from mileage.rollout.evaluation import check_eval_lengths
-from mileage.rollout.rewards import RewardFn, build_reward_fn
+from mileage.rollout.rewards import RewardFn
 from mileage.rollout.rollout import PromptEncoder
-from mileage.rollout.sizes import check_rollout_sizes
-from mileage.rollout.tasks import builtin_alphabet
 from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
-from mileage.tracking import build_trackers, check_tracking, new_wandb_run_id
+from mileage.tracking import build_trackers, new_wandb_run_id
 from mileage.training.actor import Actor
 from mileage.training.critic import build_critic, critic_checkpoint_state, restore_critic
 from mileage.training.lora import (
@@ -99,116 +80,6 @@ from mileage.training.lora import (
     refuse_adapter_without_lora,
 )
 from mileage.training.optimizer import build_optimizer, build_schedule
-
-
-def hf_checkpoint_path(cfg: RunConfig) -> str:
-    """--hf-checkpoint, or the built-in model's cache directory (which may not be built yet)."""
-    return cfg.checkpoint.hf_checkpoint or str(builtin_model_dir(cfg.data.builtin_task))
-
-
-def with_recorded_model(cfg: RunConfig, log) -> RunConfig:
-    """Raw mode without --hf-checkpoint: the model the --ref-load checkpoint records it came from."""
-    ck = cfg.checkpoint
-    if ck.megatron_to_hf_mode != "raw" or ck.hf_checkpoint or not ck.ref_load:
-        return cfg
-    try:
-        checkpoint = selected_checkpoint(ck.ref_load, ck.ref_ckpt_step, "--ref-ckpt-step")
-    except UserError:
-        return cfg  # plan_start names what is wrong with --ref-load
-    if not (checkpoint / META).is_file():
-        return cfg  # an incomplete checkpoint: plan_start refuses it
-    source = recorded_source(checkpoint)
-    if source and source.get("builtin_task"):
-        log(f"raw mode: architecture and tokenizer of the built-in model (as {checkpoint} records)")
-        return cfg
-    path = recorded_model_dir(checkpoint, log)
-    return replace(cfg, checkpoint=replace(ck, hf_checkpoint=path))
-
-
-def model_config_of(cfg: RunConfig) -> dict:
-    if cfg.checkpoint.hf_checkpoint:
-        return read_config_json(cfg.checkpoint.hf_checkpoint)
-    tok = build_char_tokenizer(builtin_alphabet())
-    return tiny_llama_config(
-        len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
-    ).to_dict()
-
-
-@dataclass
-class Preflight:
-    """Everything that can fail on user input, loaded before anything is written."""
-
-    plan: ResumePlan
-    flags: StartFlags
-    prompts: list[Prompt]
-    eval_sets: list[EvalSet]
-    reward_fn: RewardFn
-    group_filter: GroupFilter | None = None  # --dynamic-sampling-filter-path
-    buffer_filter: BufferFilter | None = None  # --buffer-filter-path
-
-
-def require_directories(**paths: str | None) -> None:
-    """Each given path is absent or a directory (a file there is a mistyped flag, not a start)."""
-    for flag, path in paths.items():
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise UserError(f"--{flag.replace('_', '-')} {path} is a file, not a directory")
-
-
-def preflight(cfg: RunConfig) -> Preflight:
-    """The plan and its inputs; cheap (reads JSON and directory listings, no tensors)."""
-    ck = cfg.checkpoint
-    require_directories(save=ck.save, load=ck.load, ref_load=ck.ref_load)
-    prompts = load_train_prompts(cfg.data)
-    eval_sets = load_eval_sets(cfg.data)
-    reward_fn = build_reward_fn(cfg.reward, task_reward(cfg.data))
-    filter_path = cfg.dynamic.dynamic_sampling_filter_path
-    group_filter = load_group_filter(filter_path) if filter_path else None
-    buffer_path = cfg.dynamic.buffer_filter_path
-    buffer_filter = load_function(buffer_path, "--buffer-filter-path") if buffer_path else None
-    check_tracking(cfg.tracking)
-    model_config = model_config_of(cfg)
-    if cfg.checkpoint.hf_checkpoint:
-        # a broken tokenizer or weight file stops the run here, before anything is written
-        tokenizer = load_tokenizer(cfg.checkpoint.hf_checkpoint)
-        check_weight_files(cfg.checkpoint.hf_checkpoint)
-    else:
-        tokenizer = build_char_tokenizer(builtin_alphabet())
-    if cfg.data.apply_chat_template:
-        require_chat_template(tokenizer, hf_checkpoint_path(cfg))
-    rc = cfg.rollout
-    local = cfg.engine.rollout_engine == "local" and not rc.load_debug_rollout_data
-    encode = PromptEncoder(tokenizer, cfg.data.apply_chat_template)
-    if cfg.loop.eval_interval:
-        check_eval_lengths(model_config, encode, eval_sets, cfg.eval, rc)
-    check_rollout_sizes(
-        model_config,
-        encode,
-        [p.text for p in prompts],
-        [],  # evaluation prompts: check_eval_lengths, against their own response length
-        rc.rollout_batch_size,
-        rc.n_samples_per_prompt,
-        rc.rollout_max_response_len,
-        env.device() if local else None,
-    )
-    flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
-    ppo = cfg.algo.advantage_estimator == "ppo"
-    flags = replace(
-        flags, world_size=env.world_size(), critic=ppo, critic_load=cfg.critic.critic_load
-    )
-    disk = gather_disk_state(flags, model_config)
-    if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:
-        # the built-in model is built on first use; plan as if it were there
-        built = DirState(flags.hf_checkpoint, True, hf_config=model_config, hf_weights=True)
-        disk = replace(disk, hf_checkpoint=built)
-    return Preflight(
-        plan_start(flags, disk),
-        flags,
-        prompts,
-        eval_sets,
-        reward_fn,
-        group_filter,
-        buffer_filter,
-    )
 
 
 @dataclass

@@ -17,7 +17,8 @@ import sys
 from mileage.checkpoint.layout import read_tracker
 from mileage.cli.main import build_parser
 from mileage.cli.model_commands import default_smollm2_dir
-from mileage.components import build_run, preflight, restore
+from mileage.components import build_run, restore
+from mileage.preflight import preflight
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.rollout import generate_samples
 from mileage.run_config import RunConfig

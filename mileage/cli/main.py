@@ -38,7 +38,7 @@ def _cmd_train_async(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from mileage.components import preflight, with_recorded_model
+    from mileage.preflight import preflight, with_recorded_model
     from mileage.run_config import RunConfig
 
     cfg = with_recorded_model(RunConfig.from_args(args), lambda line: print(line, file=sys.stderr))

@@ -8,11 +8,12 @@ import torch
 
 from mileage.checkpoint.plan import COMPLETE, RESUME, ResumePlan
 from mileage.checkpoint.store import TRAINER_STATE, remove_leftovers
-from mileage.components import build_run, preflight, with_recorded_model
+from mileage.components import build_run
 from mileage.distributed import env
 from mileage.distributed.coordination import run_progress, save_dir_lock
 from mileage.errors import UserError
 from mileage.loop import train
+from mileage.preflight import preflight, with_recorded_model
 from mileage.rollout.buffer import describe_saved
 from mileage.run_config import RunConfig
 

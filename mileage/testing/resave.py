@@ -12,9 +12,10 @@ import sys
 
 from mileage.checkpoint.plan import RESUME
 from mileage.cli.main import build_parser
-from mileage.components import build_run, checkpoint_state, preflight, restore
+from mileage.components import build_run, checkpoint_state, restore
 from mileage.distributed import env
 from mileage.errors import UserError
+from mileage.preflight import preflight
 from mileage.run_config import RunConfig
 
 
