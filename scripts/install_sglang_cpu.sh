@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs real SGLang (sglang 0.5.23) with the CPU torch into its own venv and checks whether its
-# CPU backend can start. On this project's machine it CANNOT (docs/engines.md, "Real SGLang on
-# this CPU"): the CPU backend needs the CPU build of sgl_kernel, which PyPI does not publish
+# own CPU backend (SGLANG_USE_CPU_ENGINE=1) can start. On this project's machine it CANNOT
+# (docs/engines.md, "Real SGLang on this CPU", which also records the unshipped workaround that
+# did serve): the CPU backend needs the CPU build of sgl_kernel, which PyPI does not publish
 # (sglang-kernel there is CUDA-only), and PyPI's torchvision is the CUDA build. The script then
 # stops with exit 3 naming the missing piece; it never reports success for a venv that cannot
 # serve.
