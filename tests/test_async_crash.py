@@ -68,7 +68,9 @@ FULLY_CHAIN = [
 
 def trained_prompts(save: Path) -> list[list[int]]:
     lines = (save / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["prompt_indices"] for line in lines if line.strip()]
+    records = [json.loads(line) for line in lines if line.strip()]
+    # the evaluation before training is a record of its own (rollout -1), with no prompts
+    return [r["prompt_indices"] for r in records if r["rollout_id"] >= 0]
 
 
 def assert_recovered(outcomes: list[Outcome], diffs: list[str]) -> None:

@@ -34,6 +34,13 @@ N = 2
 PROMPTS = 16
 
 
+def rollout_records(save: Path) -> list[dict]:
+    """The per-rollout records of metrics.jsonl (the evaluation before training, rollout -1,
+    is a record of its own)."""
+    lines = (save / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["rollout_id"] >= 0]
+
+
 def fake_generate(rewards_by_prompt: dict[int, list[float]], slots: list[int]):
     """Samples whose rewards are fixed per prompt index; records the slot of each call."""
 
@@ -228,7 +235,7 @@ def dynamic_reference(builtin_model, prompt_file, tmp_path_factory):
     slots = root / "slots" / "{rollout_id}.json"
     save = root / "run"
     run_uninterrupted(dynamic_args(prompt_file, "--save-debug-rollout-data", slots), save)
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    records = rollout_records(save)
     return save, slots, records
 
 
@@ -341,7 +348,7 @@ def test_keeping_every_group_without_over_sampling_trains_what_plain_train_train
     diffs = compare_runs(reference, save)
     assert count_tensor_differences(diffs) == 0, [d for d in diffs if d.startswith(TENSOR_DIFF)]
     assert diffs, "the extra buffer and metrics should show as non-tensor differences"
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    plain = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    records = rollout_records(save)
+    plain = rollout_records(reference)
     assert [r["prompt_indices"] for r in records] == [r["prompt_indices"] for r in plain]
     assert all(r["dynamic_filter/rounds"] == 1 for r in records)

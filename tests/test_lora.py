@@ -48,6 +48,13 @@ CHAIN = [
 ]
 
 
+def rollout_records(save: Path) -> list[dict]:
+    """The per-rollout records of metrics.jsonl (the evaluation before training, rollout -1,
+    is a record of its own)."""
+    lines = (save / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["rollout_id"] >= 0]
+
+
 def final_checkpoint(save: Path) -> Path:
     return checkpoint_path(save, read_tracker(save).iteration)
 
@@ -59,7 +66,7 @@ def assert_adapter_learned(save: Path) -> None:
     assert any(
         n.endswith("lora_B.default.weight") and v.abs().sum() > 0 for n, v in adapter.items()
     )
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    records = rollout_records(save)
     assert any(r["grad_norm"] > 0 for r in records)
 
 
@@ -148,7 +155,7 @@ def test_no_nan_after_an_adapter_only_restore(reference, tmp_path):
     assert done.returncode == 0, done.tail()
     assert "plan: resume at rollout 2 of 4" in done.stdout, done.stdout
     assert "also loads: rng, data position" in done.stdout, done.stdout
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    records = rollout_records(save)
     assert [r["rollout_id"] for r in records] == [2, 3]
     for record in records:
         for key in ("pg_loss", "kl", "grad_norm", "entropy"):
@@ -417,7 +424,7 @@ def test_mileage_serve_generates_with_the_merged_adapter(builtin_model, tmp_path
     finally:
         server.stop()
     assert done.stdout.count("given merged weights") == 1, done.stdout
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    records = rollout_records(save)
     # the server sampled with the weights the trainer had (merged, so equal to float rounding);
     # the second rollout's weights carry a trained adapter, so a stale or unmerged sync shows
     assert records[1]["global_step"] > 0
