@@ -61,6 +61,7 @@ from mileage.models.tiny import (
     ensure_builtin_model,
     tiny_llama_config,
 )
+from mileage.precision import resolve, set_precision
 from mileage.rollout.data import (
     Prompt,
     PromptSource,
@@ -165,8 +166,14 @@ def preflight(cfg: RunConfig) -> Preflight:
     )
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     ppo = cfg.algo.advantage_estimator == "ppo"
+    precision, precision_note = resolve(cfg.precision.requested(), env.device())
     flags = replace(
-        flags, world_size=env.world_size(), critic=ppo, critic_load=cfg.critic.critic_load
+        flags,
+        world_size=env.world_size(),
+        critic=ppo,
+        critic_load=cfg.critic.critic_load,
+        precision=precision,
+        precision_note=precision_note,
     )
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:
@@ -243,11 +250,15 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     tokenizer = load_tokenizer(config_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = _load_weights(plan.weights_from, plan.weights_format, config_dir)
+    # every copy made from here on (critic body, generation copy) inherits the precision
+    model = set_precision(
+        _load_weights(plan.weights_from, plan.weights_format, config_dir), plan.precision
+    )
     reference = None
     if cfg.algo.needs_reference:
         ref_path, ref_fmt = reference_source(flags, gather_disk_state(flags, None))
         reference = _load_weights(ref_path, ref_fmt, config_dir).requires_grad_(False)
+        set_precision(reference, plan.precision)
         log(f"reference model: {ref_path} ({ref_fmt})")
     eos = tokenizer.eos_token_id
     engine = None
@@ -363,6 +374,7 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
                 rollout_id,
                 source=run.model_source,
                 global_step=run.actor.critic.step,
+                precision=run.plan.precision,
             ),
         )
     return CheckpointState(
@@ -377,6 +389,7 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             global_step=run.actor.step,
             num_threads=run.cfg.loop.num_threads,
             seed=run.cfg.loop.seed,
+            precision=run.plan.precision,
         ),
         critic=critic,
     )

@@ -11,6 +11,7 @@ from mileage.config import add_options, flag_of, from_namespace, option
 from mileage.distributed import env
 from mileage.distributed.parallelize import ParallelConfig
 from mileage.errors import UserError
+from mileage.precision import PrecisionConfig
 from mileage.rollout.data import DataConfig
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.rewards import RewardConfig
@@ -95,6 +96,7 @@ SECTIONS = (
     ("optim", OptimConfig, "optimizer"),
     ("loop", LoopConfig, "loop"),
     ("parallel", ParallelConfig, "distributed (torchrun)"),
+    ("precision", PrecisionConfig, "precision"),
     ("tracking", TrackingConfig, "tracking"),
 )
 
@@ -112,6 +114,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # the DEMO_DEFAULTS this run took (empty unless it is the built-in demo)
     demo_defaults: dict = field(default_factory=dict)
@@ -204,6 +207,7 @@ class RunConfig:
             )
         self.engine.validate()
         self.mismatch.validate()
+        self.precision.requested()
 
     def num_rollout(self, num_prompts: int) -> int:
         if self.loop.num_rollout is not None:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from mileage.precision import autocast
+
 # Model types whose decoder layer is Llama's (pre-norm RMSNorm, rotary attention, SiLU-gated MLP).
 FAST_DECODE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # top-p first looks for the nucleus among this many most likely tokens
@@ -304,6 +306,11 @@ class LocalEngine:
 
     @torch.inference_mode()
     def _generate_batch(self, prompts, params, generator) -> list[Completion]:
+        # prefill and every decode step (the fast path too) run in the model's precision
+        with autocast(self.model):
+            return self._generate_batch_in_precision(prompts, params, generator)
+
+    def _generate_batch_in_precision(self, prompts, params, generator) -> list[Completion]:
         device = next(self.model.parameters()).device
         batch, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
