@@ -57,6 +57,7 @@ RECORDS = "tests/test_metrics_records.py"
 RECORDS_KILLS = (
     f"{RECORDS}::test_evaluation_before_training_is_recorded_once_across_kills_everywhere"
 )
+PRECISION = "tests/test_precision.py"
 README_TEST = "tests/test_readme.py"
 README_SAMPLE = (
     f"{README_TEST}::test_rollout_lines_have_the_fields_and_formats_of_the_readme_sample"
@@ -716,6 +717,72 @@ MUTANTS = [
         '    seed: int = option(1234, "seed for sampling, shuffling and initialisation", '
         'flag="--random-seed")\n',
         (f"{README_TEST}::test_flags_at_a_glance_are_in_train_help_with_their_choices",),
+    ),
+    Mutant(
+        "precision-not-recorded",
+        "meta.json does not record the precision a checkpoint was trained in",
+        "mileage/components.py",
+        "            seed=run.cfg.loop.seed,\n            precision=run.plan.precision,\n",
+        "            seed=run.cfg.loop.seed,\n",
+        (
+            f"{PRECISION}::test_a_checkpoint_records_its_precision_and_another_precision_is_announced",
+        ),
+    ),
+    Mutant(
+        "precision-change-not-announced",
+        "a resume in another precision proceeds without saying so",
+        "mileage/checkpoint/plan.py",
+        "        reasons += _precision_change(source.info, flags.precision)\n",
+        "",
+        (f"{PLAN}::test_plan_names_a_precision_change_and_only_then",),
+    ),
+    Mutant(
+        "auto-ignores-the-hardware",
+        "--precision auto picks bf16 on a CPU that only emulates it",
+        "mileage/precision.py",
+        "    chosen = BF16 if native else FP32\n",
+        "    chosen = BF16\n",
+        (f"{PRECISION}::test_auto_picks_bf16_only_where_the_cpu_computes_it_natively",),
+    ),
+    Mutant(
+        "generation-in-fp32",
+        "the in-process engine generates in fp32 while the trainer computes in bf16",
+        "mileage/rollout/engine.py",
+        "        with autocast(self.model):\n",
+        '        with torch.autocast("cpu", enabled=False):\n',
+        (f"{PRECISION}::test_the_local_engine_generates_in_the_models_precision",),
+    ),
+    Mutant(
+        "training-in-fp32",
+        "the trainer's forward ignores the precision (fp32 while generation is bf16)",
+        "mileage/training/actor.py",
+        "    with autocast(model):\n",
+        '    with torch.autocast("cpu", enabled=False):\n',
+        (f"{PRECISION}::test_the_local_engine_generates_in_the_models_precision",),
+    ),
+    Mutant(
+        "bf16-old-logprobs-from-the-engine",
+        "in bf16 the PPO ratio's old log-probs are the engine's, not the loss's precision",
+        "mileage/training/mismatch.py",
+        "(not in_process or precision == BF16)",
+        "(not in_process)",
+        (f"{PRECISION}::test_ppo_ratio_is_exactly_one_at_the_first_step",),
+    ),
+    Mutant(
+        "vllm-dtype-not-the-trainers",
+        "a launched vLLM gets --dtype float32 whatever the trainer's precision",
+        "mileage/rollout/engines/factory.py",
+        "log, dtype=torch_dtype_name(precision_of(model))",
+        "log",
+        (f"{VLLM}::test_a_launched_server_gets_the_trainers_precision_as_dtype",),
+    ),
+    Mutant(
+        "serve-reload-drops-the-dtype",
+        "`mileage serve` computes reloaded weights in fp32 whatever its --dtype",
+        "mileage/serve.py",
+        "self.engine.update_weights(set_precision(model, self.precision))",
+        "self.engine.update_weights(model)",
+        (f"{SERVE}::test_serve_says_its_dtype_and_keeps_it_across_weight_reloads",),
     ),
 ]
 
