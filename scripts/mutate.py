@@ -764,8 +764,8 @@ MUTANTS = [
         "bf16-old-logprobs-from-the-engine",
         "in bf16 the PPO ratio's old log-probs are the engine's, not the loss's precision",
         "mileage/training/mismatch.py",
-        "(not in_process or precision == BF16)",
-        "(not in_process)",
+        "cfg.use_tis or precision == BF16 or (engine",
+        "cfg.use_tis or (engine",
         (f"{PRECISION}::test_ppo_ratio_is_exactly_one_at_the_first_step",),
     ),
     Mutant(

@@ -55,7 +55,9 @@ class MismatchConfig:
 def needs_recompute(cfg: MismatchConfig, engine, precision: str = "fp32") -> bool:
     """Whether the trainer recomputes the sampled tokens' log-probs before training."""
     in_process = engine is not None and getattr(engine, "in_process", False)
-    return cfg.use_tis or (engine is not None and (not in_process or precision == BF16))
+    # in bf16 always, a replay of saved rollouts (engine None) too, so that it recomputes the
+    # old log-probs exactly as the run that generated them did
+    return cfg.use_tis or precision == BF16 or (engine is not None and not in_process)
 
 
 @torch.no_grad()
