@@ -13,6 +13,9 @@ prefill still runs through the `transformers` model, but each new token runs thr
 Its tokens and log-probs are bit-identical to stepping the `transformers` model; it only skips
 what costs time there (regrowing the cache by concatenation every step, rebuilding masks and
 rotary tables, generic per-call Python). Other models decode through the `transformers` forward.
+
+Generation runs in the model's precision (`mileage.precision`): under bf16 autocast the prefill
+and both decode paths round the same operands the same way, so the fast path stays bit-identical.
 """
 
 from __future__ import annotations
