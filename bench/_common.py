@@ -41,6 +41,32 @@ def cpu_description() -> dict:
     return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
 
 
+def matmul_limits(threads: int, sizes: tuple[int, ...] = (256, 1024)) -> dict:
+    """Square-matmul GFLOP/s per precision and size on this host: the ceiling a training pass
+    in that precision is measured against (torch.mm of [n, n] operands, median of 5 timed
+    calls after 2 warm-up ones; bf16 operands as autocast hands them to the matmul)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    limits: dict = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        limits[name] = {}
+        for n in sizes:
+            a = torch.randn(n, n, generator=gen).to(dtype)
+            b = torch.randn(n, n, generator=gen).to(dtype)
+            calls = max(1, int(2e9 // (2 * n**3)))  # about 2 GFLOP per timed sample
+            samples = []
+            for rep in range(7):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    torch.mm(a, b)
+                if rep >= 2:
+                    samples.append(time.perf_counter() - start)
+            limits[name][str(n)] = round(2 * n**3 * calls / statistics.median(samples) / 1e9, 1)
+    return limits
+
+
 def memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -18,6 +18,11 @@ vLLM is launched once per model and dtype (`--dtype`, the same process-group sup
 /v1/completions requests of token ids, with `ignore_eos` and `min_tokens` so every row has
 exactly `--new-tokens` tokens; its start-up is not timed. Its throughput counts the whole
 round trip (HTTP, JSON, detokenization it does anyway), which is what a trainer sees.
+
+A precision (`--dtypes`) is what a training run with `--precision` generates in: fp32 weights,
+and in bf16 every step under bf16 autocast (`mileage.precision`), for `generate` too; vLLM gets
+`--dtype`. The host's bf16 CPU flags and matmul limit per precision (`_common.matmul_limits`)
+are recorded beside the throughputs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from _common import (
     Stopwatch,
     load_average,
     machine_info,
+    matmul_limits,
     median,
     output_path,
     print_table,
@@ -86,10 +92,12 @@ def engine_run(model, tokenizer, prompts, new_tokens: int, seed: int):
 def hf_run(model, tokenizer, prompts, new_tokens: int, seed: int):
     import torch
 
+    from mileage.precision import autocast
+
     tokenizer.padding_side = "left"
     enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
     torch.manual_seed(seed)
-    with torch.inference_mode():
+    with torch.inference_mode(), autocast(model):
         out = model.generate(
             **enc,
             do_sample=True,
@@ -151,16 +159,16 @@ class VLLMServer:
 
 
 def bench_model(name, model_dir, dtypes, batch_sizes, args, repeats) -> list[dict]:
-    import torch
-
     from mileage.models.hf import load_causal_lm, load_tokenizer
+    from mileage.precision import set_precision
 
     tokenizer = load_tokenizer(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     rows = []
     for dtype_name in dtypes:
-        model = load_causal_lm(model_dir, dtype=getattr(torch, DTYPES[dtype_name]))
+        # fp32 master weights; bf16 is autocast, as in a training run (LocalEngine enters it)
+        model = set_precision(load_causal_lm(model_dir), dtype_name)
         vllm = VLLMServer(str(model_dir), dtype_name, args) if args.vllm_python else None
         for batch in batch_sizes:
             prompts = mixed_prompts(tokenizer, batch)
@@ -187,7 +195,7 @@ def bench_model(name, model_dir, dtypes, batch_sizes, args, repeats) -> list[dic
             tokens = batch * args.new_tokens
             row = {
                 "model": name,
-                "dtype": dtype_name,
+                "precision": dtype_name,
                 "batch": batch,
                 "new_tokens": args.new_tokens,
                 "prompt_len": f"{min(map(len, prompts))}-{max(map(len, prompts))}",
@@ -220,7 +228,9 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     info = machine_info(args.threads)
+    info["matmul_gflops"] = matmul_limits(args.threads)
     print(f"machine: {info['cpu']}, {args.threads} torch threads, load {load_average()}")
+    print(f"matmul limit (GFLOP/s by size): {info['matmul_gflops']}")
     rows = []
     if not args.skip_tiny:
         tiny = ensure_builtin_model("addition")
@@ -245,7 +255,7 @@ def main(argv=None) -> int:
         rows,
         [
             ("model", "model"),
-            ("dtype", "dtype"),
+            ("precision", "precision"),
             ("batch", "batch"),
             ("mileage_tok_s", "mileage tok/s"),
             ("mileage_tok_s_range", "(range)"),

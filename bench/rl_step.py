@@ -16,6 +16,10 @@ its step time is on_step_begin -> on_step_end (generation happens inside the tra
 Every run is a fresh process, so peak RSS (from wait4) is per framework; runs alternate between
 the frameworks, and the first `--warmup` steps of each run are not timed.
 
+Each is run at every precision of `--precisions` (mileage's `--precision`, TRL's `bf16=`: both
+bf16 autocast over fp32 weights), and the host's matmul limit per precision (`_common.
+matmul_limits`) and bf16 CPU flags are recorded beside the times.
+
     python bench/rl_step.py
     python bench/rl_step.py --smollm2-dir "$(mileage smollm2)"
 """
@@ -36,6 +40,7 @@ from _common import (
     REPO,
     load_average,
     machine_info,
+    matmul_limits,
     median,
     output_path,
     print_table,
@@ -68,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--vllm-python", help="Python of a vLLM venv (scripts/install_vllm.sh)")
     p.add_argument(
+        "--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16 (default both)"
+    )
+    p.add_argument(
         "--out",
         default="rl_step",
         help="results file: a bare NAME is bench/results/NAME.json, a path is used as given "
@@ -78,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
     p.add_argument("--worker-model", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--worker-precision", default="fp32", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -100,7 +109,11 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[int, float, f
 
 
 def mileage_run(
-    config: dict, model_dir: str | None, threads: int, vllm_python: str | None = None
+    config: dict,
+    model_dir: str | None,
+    threads: int,
+    vllm_python: str | None = None,
+    precision: str = "fp32",
 ) -> dict:
     total = config["warmup"] + config["steps"]
     with tempfile.TemporaryDirectory(prefix="bench-mileage-") as save:
@@ -117,6 +130,7 @@ def mileage_run(
             "--clip-grad", "1.0",
             "--eval-interval", "0",
             "--num-threads", str(threads),
+            "--precision", precision,
         ]  # fmt: skip
         if model_dir:
             cmd += ["--hf-checkpoint", model_dir]
@@ -131,6 +145,7 @@ def mileage_run(
     timed = records[config["warmup"] :]
     return {
         "framework": "mileage-vllm" if vllm_python else "mileage",
+        "precision": precision,
         "step_s": [r["step_time"] for r in timed],
         "gen_s": [r["gen_time"] for r in timed],
         "train_s": [r["train_time"] for r in timed],
@@ -146,7 +161,9 @@ def mileage_run(
 # TRL: GRPOTrainer in a worker process (config of research note feasibility-cpu.md §3)
 
 
-def trl_run(config_name: str, config: dict, model_dir: str, threads: int) -> dict:
+def trl_run(
+    config_name: str, config: dict, model_dir: str, threads: int, precision: str = "fp32"
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [
@@ -156,12 +173,19 @@ def trl_run(config_name: str, config: dict, model_dir: str, threads: int) -> dic
             "--worker-model", model_dir,
             "--worker-out", str(out),
             "--threads", str(threads),
+            "--worker-precision", precision,
         ]  # fmt: skip
         code, wall, rss, output = run_measured(cmd, env={"TOKENIZERS_PARALLELISM": "false"})
         if code != 0 or not out.is_file():
             raise RuntimeError(f"TRL worker failed ({code}):\n{output[-3000:]}")
         result = json.loads(out.read_text())
-    return {**result, "framework": "trl", "process_wall_s": wall, "peak_rss_mib": rss}
+    return {
+        **result,
+        "framework": "trl",
+        "precision": precision,
+        "process_wall_s": wall,
+        "peak_rss_mib": rss,
+    }
 
 
 def trl_worker(args: argparse.Namespace) -> int:
@@ -209,7 +233,7 @@ def trl_worker(args: argparse.Namespace) -> int:
         cfg = GRPOConfig(
             output_dir=out_dir,
             use_cpu=True,
-            bf16=False,
+            bf16=args.worker_precision == "bf16",  # accelerate's bf16 autocast, fp32 weights
             per_device_train_batch_size=p * g,
             num_generations=g,
             steps_per_generation=1,
@@ -264,6 +288,7 @@ def summarize(name: str, runs: list[dict], config: dict) -> dict:
         "config": name,
         "shape": f"{config['prompts']}x{config['samples']}x{config['max_new']}",
         "framework": runs[0]["framework"],
+        "precision": runs[0]["precision"],
         "s_per_step": median(steps),
         "s_range": spread(steps),
         "run_medians": [round(median(r["step_s"]), 4) for r in runs],
@@ -293,7 +318,10 @@ def main(argv=None) -> int:
     if args.smollm2_dir:
         plans.append(("smollm2", dict(CONFIGS["smollm2"]), args.smollm2_dir))
     info = machine_info(args.threads)
+    info["matmul_gflops"] = matmul_limits(args.threads)
     print(f"machine: {info['cpu']}, {args.threads} torch threads, load {load_average()}")
+    print(f"matmul limit (GFLOP/s by size): {info['matmul_gflops']}")
+    precisions = args.precisions.split(",")
     rows, raw = [], {}
     for name, config, model_dir in plans:
         for key in ("steps", "warmup", "runs"):
@@ -301,35 +329,43 @@ def main(argv=None) -> int:
                 config[key] = getattr(args, key)
         # both frameworks load the same directory; the built-in one is built here if needed
         hf_dir = model_dir or str(ensure_builtin_model("addition"))
-        results = {fw: [] for fw in frameworks}
+        # (framework, precision) pairs, alternating order between runs
+        pairs = [(fw, prec) for prec in precisions for fw in frameworks]
+        results = {pair: [] for pair in pairs}
         loads = []
         for run in range(config["runs"]):
-            order = frameworks if run % 2 == 0 else list(reversed(frameworks))
-            for fw in order:
+            order = pairs if run % 2 == 0 else list(reversed(pairs))
+            for fw, prec in order:
                 loads.append(load_average())
                 if fw in ("mileage", "mileage-vllm"):
                     vllm = args.vllm_python if fw == "mileage-vllm" else None
-                    result = mileage_run(config, model_dir, args.threads, vllm)
+                    result = mileage_run(config, model_dir, args.threads, vllm, prec)
                 else:
-                    result = trl_run(name, config, hf_dir, args.threads)
-                results[fw].append(result)
+                    result = trl_run(name, config, hf_dir, args.threads, prec)
+                results[(fw, prec)].append(result)
                 print(
-                    f"  {name} run {run} {fw}: median {median(result['step_s']):.3f} s/step, "
-                    f"peak RSS {result['peak_rss_mib']:.0f} MiB, load {load_average()}",
+                    f"  {name} run {run} {fw} {prec}: median {median(result['step_s']):.3f} "
+                    f"s/step, peak RSS {result['peak_rss_mib']:.0f} MiB, load {load_average()}",
                     flush=True,
                 )
-        summary = {fw: summarize(name, results[fw], config) for fw in frameworks}
-        if "trl" in summary:
-            for row in summary.values():
-                row["ratio_vs_trl"] = row["s_per_step"] / summary["trl"]["s_per_step"]
+        summary = {pair: summarize(name, results[pair], config) for pair in pairs}
+        for (_, prec), row in summary.items():
+            trl = summary.get(("trl", prec))  # TRL at the same precision
+            if trl is not None:
+                row["ratio_vs_trl"] = row["s_per_step"] / trl["s_per_step"]
         rows += summary.values()
-        raw[name] = {"config": config, "runs": results, "load_averages": loads}
+        raw[name] = {
+            "config": config,
+            "runs": {f"{fw} {prec}": r for (fw, prec), r in results.items()},
+            "load_averages": loads,
+        }
     table = print_table(
         rows,
         [
             ("config", "config"),
             ("shape", "P x G x len"),
             ("framework", "framework"),
+            ("precision", "precision"),
             ("s_per_step", "s/step (median)"),
             ("s_range", "(range)"),
             ("ratio_vs_trl", "time vs TRL"),

@@ -52,6 +52,7 @@ from mileage.models.tensors import model_tensors
 from mileage.models.tiny import (
     ensure_builtin_model,
 )
+from mileage.precision import set_precision
 from mileage.preflight import Preflight
 from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
 from mileage.rollout.data import (
@@ -175,8 +176,11 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     else:
         refuse_adapter_without_lora(plan.weights_from, plan.weights_format)
         model = _load_weights(plan.weights_from, plan.weights_format, config_dir)
+    # every copy made from here on (critic body, generation copy) inherits the precision
+    set_precision(model, plan.precision)
     if cfg.algo.needs_reference and lora is None:
         reference = _load_weights(ref_path, ref_fmt, config_dir).requires_grad_(False)
+        set_precision(reference, plan.precision)
         log(f"reference model: {ref_path} ({ref_fmt})")
     if not env.is_distributed():
         # one process: the GPU whenever --device allows it (torchrun ranks move in shard_model)
@@ -318,6 +322,7 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
                 rollout_id,
                 source=run.model_source,
                 global_step=run.actor.critic.step,
+                precision=run.plan.precision,
             ),
         )
     extra = {"lora": run.lora.record} if run.lora is not None else {}
@@ -335,6 +340,7 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             num_threads=run.cfg.loop.num_threads,
             seed=run.cfg.loop.seed,
             **extra,
+            precision=run.plan.precision,
         ),
         critic=critic,
     )

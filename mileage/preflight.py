@@ -18,6 +18,7 @@ from mileage.models.hf import (
     require_chat_template,
 )
 from mileage.models.tiny import build_char_tokenizer, builtin_model_dir, tiny_llama_config
+from mileage.precision import resolve
 from mileage.rollout.data import EvalSet, Prompt, load_eval_sets, load_train_prompts, task_reward
 from mileage.rollout.dynamic import BufferFilter, GroupFilter, load_function, load_group_filter
 from mileage.rollout.evaluation import check_eval_lengths
@@ -120,8 +121,14 @@ def preflight(cfg: RunConfig) -> Preflight:
     )
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     ppo = cfg.algo.advantage_estimator == "ppo"
+    precision, precision_note = resolve(cfg.precision.requested(), env.device())
     flags = replace(
-        flags, world_size=env.world_size(), critic=ppo, critic_load=cfg.critic.critic_load
+        flags,
+        world_size=env.world_size(),
+        critic=ppo,
+        critic_load=cfg.critic.critic_load,
+        precision=precision,
+        precision_note=precision_note,
     )
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:

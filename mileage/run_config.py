@@ -13,6 +13,7 @@ from mileage.distributed import env
 from mileage.distributed.parallelize import ParallelConfig
 from mileage.errors import UserError
 from mileage.models.lora import LoraConfig
+from mileage.precision import PrecisionConfig
 from mileage.rollout.data import DataConfig
 from mileage.rollout.dynamic import DynamicSamplingConfig
 from mileage.rollout.engines.config import EngineConfig
@@ -104,6 +105,7 @@ SECTIONS = (
     ("loop", LoopConfig, "loop"),
     ("eval", EvalConfig, "evaluation"),
     ("parallel", ParallelConfig, "device and distributed (torchrun)"),
+    ("precision", PrecisionConfig, "precision"),
     ("tracking", TrackingConfig, "tracking"),
 )
 
@@ -125,6 +127,7 @@ class RunConfig:
     loop: LoopConfig = field(default_factory=LoopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # `mileage train-async` only (and `plan`, which plans for either); defaults elsewhere
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
@@ -246,6 +249,7 @@ class RunConfig:
                 "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size) "
                 "is not supported under torchrun yet; run it as one process"
             )
+        self.precision.requested()
 
     def num_rollout(self, num_prompts: int) -> int:
         if self.loop.num_rollout is not None:

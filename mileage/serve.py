@@ -45,6 +45,7 @@ import torch
 from mileage.errors import UserError
 from mileage.models.hf import load_causal_lm, load_tokenizer
 from mileage.models.tensors import model_tensors
+from mileage.precision import BF16, FP32, resolve, set_precision, torch_dtype_name
 from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
 from mileage.rollout.sizes import kv_cache_problem, length_problem
 from mileage.seeding import configure_determinism
@@ -56,14 +57,21 @@ class RequestError(ValueError):
     """The request asks for something malformed or unsupported (HTTP 400)."""
 
 
+# `--dtype` as vLLM and SGLang spell it -> mileage's precision names
+DTYPES = {"auto": "auto", "float32": FP32, "bfloat16": BF16}
+
+
 class EngineServer:
-    def __init__(self, hf_checkpoint: str):
+    def __init__(self, hf_checkpoint: str, precision: str = FP32):
         self.lock = threading.Lock()
+        # every model it serves (the first and each reload) computes in this precision
+        self.precision = precision
         self.model_path = str(hf_checkpoint)
         self.tokenizer = load_tokenizer(hf_checkpoint)
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        self.engine = LocalEngine(load_causal_lm(hf_checkpoint), pad, eos)
+        model = set_precision(load_causal_lm(hf_checkpoint), precision)
+        self.engine = LocalEngine(model, pad, eos)
         self.weight_version = "default"
         self.vocab_size = self.engine.model.config.vocab_size
         self.model_config = self.engine.model.config.to_dict()
@@ -82,7 +90,7 @@ class EngineServer:
                 model = load_causal_lm(path)
             except UserError as exc:
                 return {"success": False, "message": str(exc), "num_paused_requests": 0}
-            self.engine.update_weights(model)
+            self.engine.update_weights(set_precision(model, self.precision))
             self.model_path = path
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
@@ -336,16 +344,21 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 1024
 
 
-def serve(hf_checkpoint: str, host: str, port: int, num_threads: int) -> int:
+def serve(hf_checkpoint: str, host: str, port: int, num_threads: int, dtype: str = "auto") -> int:
     configure_determinism(0, num_threads)
-    engine = EngineServer(hf_checkpoint)
+    precision, why = resolve(DTYPES[dtype], torch.device("cpu"))
+    engine = EngineServer(hf_checkpoint, precision)
     try:
         httpd = Server((host, port), make_handler(engine))
     except OSError as exc:
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     httpd.daemon_threads = True
     bound_host, bound_port = httpd.server_address[:2]
-    print(f"mileage serve: listening on http://{bound_host}:{bound_port}", flush=True)
+    print(
+        f"mileage serve: listening on http://{bound_host}:{bound_port} "
+        f"(--dtype {torch_dtype_name(precision)}, {why})",
+        flush=True,
+    )
     try:
         httpd.serve_forever()
     finally:
@@ -354,7 +367,7 @@ def serve(hf_checkpoint: str, host: str, port: int, num_threads: int) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    return serve(args.hf_checkpoint, args.host, args.port, args.num_threads)
+    return serve(args.hf_checkpoint, args.host, args.port, args.num_threads, args.dtype)
 
 
 def register(sub) -> None:
@@ -368,5 +381,12 @@ def register(sub) -> None:
     )
     parser.add_argument(
         "--num-threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="auto",
+        help="compute precision over fp32 weights, as vLLM/SGLang spell it; auto: bfloat16 where "
+        "the CPU computes bf16 natively (AMX or AVX512-BF16), else float32 (default auto)",
     )
     parser.set_defaults(func=_cmd_serve)

@@ -57,6 +57,7 @@ RECORDS = "tests/test_metrics_records.py"
 RECORDS_KILLS = (
     f"{RECORDS}::test_evaluation_before_training_is_recorded_once_across_kills_everywhere"
 )
+PRECISION = "tests/test_precision.py"
 README_TEST = "tests/test_readme.py"
 EVAL = "tests/test_evaluation.py"
 EVAL_RUN = f"{EVAL}::test_named_eval_sets_log_pass_at_k_and_mileage_eval_reproduces_them"
@@ -861,8 +862,8 @@ MUTANTS = [
         "cpu-flags-on-gpu",
         "the CPU launch flags are given on a GPU too",
         "mileage/rollout/engines/vllm.py",
-        "    for flag, value in defaults if on_cpu else LAUNCH_DEFAULTS:",
-        "    for flag, value in defaults:",
+        "*(CPU_LAUNCH_DEFAULTS if on_cpu else ())",
+        "*CPU_LAUNCH_DEFAULTS",
         (VLLM_CLIENT,),
     ),
     Mutant(
@@ -1121,6 +1122,72 @@ MUTANTS = [
         "            -1 if rollout_id is None else int(rollout_id),\n",
         "            0,\n",
         (EVAL_RUN,),
+    ),
+    Mutant(
+        "precision-not-recorded",
+        "meta.json does not record the precision a checkpoint was trained in",
+        "mileage/components.py",
+        "            **extra,\n            precision=run.plan.precision,\n",
+        "            **extra,\n",
+        (
+            f"{PRECISION}::test_a_checkpoint_records_its_precision_and_another_precision_is_announced",
+        ),
+    ),
+    Mutant(
+        "precision-change-not-announced",
+        "a resume in another precision proceeds without saying so",
+        "mileage/checkpoint/plan.py",
+        "        reasons += _precision_change(source.info, flags.precision)\n",
+        "",
+        (f"{PLAN}::test_plan_names_a_precision_change_and_only_then",),
+    ),
+    Mutant(
+        "auto-ignores-the-hardware",
+        "--precision auto picks bf16 on a CPU that only emulates it",
+        "mileage/precision.py",
+        "    chosen = BF16 if native else FP32\n",
+        "    chosen = BF16\n",
+        (f"{PRECISION}::test_auto_picks_bf16_only_where_the_cpu_computes_it_natively",),
+    ),
+    Mutant(
+        "generation-in-fp32",
+        "the in-process engine generates in fp32 while the trainer computes in bf16",
+        "mileage/rollout/engine.py",
+        "        with autocast(self.model):\n",
+        '        with torch.autocast("cpu", enabled=False):\n',
+        (f"{PRECISION}::test_the_local_engine_generates_in_the_models_precision",),
+    ),
+    Mutant(
+        "training-in-fp32",
+        "the trainer's forward ignores the precision (fp32 while generation is bf16)",
+        "mileage/training/actor.py",
+        "    with autocast(model):\n",
+        '    with torch.autocast("cpu", enabled=False):\n',
+        (f"{PRECISION}::test_the_local_engine_generates_in_the_models_precision",),
+    ),
+    Mutant(
+        "bf16-old-logprobs-from-the-engine",
+        "in bf16 the PPO ratio's old log-probs are the engine's, not the loss's precision",
+        "mileage/training/mismatch.py",
+        "        or precision == BF16\n",
+        "",
+        (f"{PRECISION}::test_ppo_ratio_is_exactly_one_at_the_first_step",),
+    ),
+    Mutant(
+        "vllm-dtype-not-the-trainers",
+        "a launched vLLM gets --dtype float32 whatever the trainer's precision",
+        "mileage/rollout/engines/factory.py",
+        "log, dtype=torch_dtype_name(precision_of(model))",
+        "log",
+        (f"{VLLM}::test_a_launched_server_gets_the_trainers_precision_as_dtype",),
+    ),
+    Mutant(
+        "serve-reload-drops-the-dtype",
+        "`mileage serve` computes reloaded weights in fp32 whatever its --dtype",
+        "mileage/serve.py",
+        "self.engine.update_weights(set_precision(model, self.precision))",
+        "self.engine.update_weights(model)",
+        (f"{SERVE}::test_serve_says_its_dtype_and_keeps_it_across_weight_reloads",),
     ),
 ]
 

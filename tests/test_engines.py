@@ -95,6 +95,10 @@ def probe_server(url: str, prompt: list[int]) -> dict:
 
 
 def local_sample(model: torch.nn.Module, model_dir: Path, prompt: list[int]):
+    """What a `mileage serve` of `model` samples: in its default --dtype auto's precision."""
+    from mileage.precision import resolve, set_precision
+
+    set_precision(model, resolve("auto", torch.device("cpu"))[0])
     tokenizer = load_tokenizer(model_dir)
     engine = LocalEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     generator = torch.Generator().manual_seed(PROBE_SEED)

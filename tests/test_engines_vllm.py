@@ -33,13 +33,15 @@ from mileage.serve import EngineServer
 parser = argparse.ArgumentParser()
 parser.add_argument("--model"); parser.add_argument("--host"); parser.add_argument("--port", type=int)
 parser.add_argument("--served-model-name"); parser.add_argument("--tokenizer")
+parser.add_argument("--dtype", choices=["float32", "bfloat16"], required=True)
 args, _ = parser.parse_known_args()
 # a child of the server, as vLLM's engine-core process is: it must die with the server
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 with open(os.environ["FAKE_VLLM_PIDS"], "a") as f:
     f.write(f"{os.getpid()} {child.pid}\\n")
 configure_determinism(0, 1)
-engine = EngineServer(args.tokenizer)  # --model holds weights only (no tokenizer)
+# --model holds weights only (no tokenizer); it computes in the --dtype the trainer asked for
+engine = EngineServer(args.tokenizer, {"float32": "fp32", "bfloat16": "bf16"}[args.dtype])
 calls = []
 
 class Handler(BaseHTTPRequestHandler):
@@ -225,10 +227,24 @@ def test_launch_defaults_give_way_to_the_users_flags():
         "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm", "--enforce-eager", "--kv-cache-memory-bytes", "1G",
     ]  # fmt: skip
+    assert launch_args("", "bfloat16")[:2] == ["--dtype", "bfloat16"]  # a bf16 trainer's
     assert launch_args("--gpu-memory-utilization 0.5 --dtype=bfloat16 --no-enforce-eager") == [
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--gpu-memory-utilization", "0.5", "--dtype=bfloat16", "--no-enforce-eager",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_a_launched_server_gets_the_trainers_precision_as_dtype(tiny_hf, mode, dtype):
+    from transformers import AutoModelForCausalLM
+
+    from mileage.precision import set_precision
+    from mileage.rollout.engines.factory import build_engine
+
+    model = set_precision(AutoModelForCausalLM.from_pretrained(tiny_hf), mode)
+    cfg = EngineConfig(rollout_engine="vllm")
+    engine = build_engine(cfg, model, 0, 2, str(tiny_hf), print)
+    assert isinstance(engine, VLLMEngine) and engine.dtype == dtype
 
 
 def completion(prompt, tokens, logprobs, finish="stop", echoed=None) -> dict:

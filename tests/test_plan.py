@@ -64,6 +64,8 @@ def test_no_load_is_a_fresh_start_from_hf(capsys, base, tiny_hf):
         "load_rng",
         "load_data_state",
         "reasons",
+        "precision",
+        "precision_note",
     }
 
 
@@ -273,3 +275,26 @@ def test_untracked_checkpoints_of_an_interrupted_first_save_do_not_block(
     (save / TRACKER).unlink()
     code, p = plan(capsys, *base, "--save", save, "--load", save)
     assert code == 0 and p["action"] == "fresh" and p["start_rollout_id"] == 0
+
+
+def test_plan_names_a_precision_change_and_only_then(tmp_path):
+    """A resume in another precision proceeds and says so; checkpoints from before the record
+    were written in fp32."""
+    from mileage.checkpoint.layout import CheckpointInfo, DirState, parse_tracker
+    from mileage.checkpoint.plan import RESUME, DiskState, StartFlags, plan_start
+
+    for saved, meta in (("bf16", {"precision": "bf16"}), ("fp32", {})):
+        info = CheckpointInfo(str(tmp_path / "iter_0000003"), True, "", meta)
+        state = DirState(str(tmp_path), True, tracker=parse_tracker("3"), checkpoints={3: info})
+        disk = DiskState(state, state, None, None, None)
+        for now in ("fp32", "bf16"):
+            flags = StartFlags("hf", 10, load=str(tmp_path), save=str(tmp_path), precision=now)
+            plan = plan_start(flags, disk)
+            assert plan.action == RESUME and plan.start_rollout_id == 4 and plan.precision == now
+            said = [r for r in plan.reasons if r.startswith("precision changed")]
+            assert bool(said) == (saved != now), plan.reasons
+            if said:
+                assert said[0].startswith(
+                    f"precision changed: saved by a {saved} run, resuming in {now}."
+                )
+            assert f"  precision: {now}" in plan.describe()

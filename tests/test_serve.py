@@ -11,6 +11,7 @@ import torch
 
 from mileage.errors import UserError
 from mileage.models.hf import load_causal_lm
+from mileage.precision import resolve, set_precision
 from mileage.rollout.engine import LocalEngine, SamplingParams
 from mileage.rollout.engines.base import SamplingSeed
 from mileage.rollout.engines.http import BadReply, post_json
@@ -29,6 +30,20 @@ def server(tiny_hf):
 
 def generate(url, payload):
     return post_json(url + "/generate", payload, timeout=60)
+
+
+def test_serve_says_its_dtype_and_keeps_it_across_weight_reloads(server, tiny_hf):
+    from mileage.precision import precision_of
+    from mileage.serve import EngineServer
+
+    chosen, why = resolve("auto", torch.device("cpu"))
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[chosen]
+    assert f"(--dtype {dtype}, {why})" in "".join(server.output)
+    bf16 = EngineServer(str(tiny_hf), "bf16")
+    assert precision_of(bf16.engine.model) == "bf16"
+    assert bf16.update_weights({"model_path": str(tiny_hf)})["success"]
+    assert precision_of(bf16.engine.model) == "bf16"
+    assert precision_of(EngineServer(str(tiny_hf)).engine.model) == "fp32"
 
 
 def test_health_and_model_info(server):
@@ -50,7 +65,8 @@ def test_generate_reply_has_sglangs_shape_and_the_local_engines_numbers(server, 
         },
     )
     assert isinstance(reply, list) and len(reply) == 3
-    model = load_causal_lm(tiny_hf)
+    # the server computes in its --dtype, by default auto's choice for this CPU
+    model = set_precision(load_causal_lm(tiny_hf), resolve("auto", torch.device("cpu"))[0])
     local = LocalEngine(model, pad_id=0, eos_id=2).generate(
         [PROMPT] * 3,
         SamplingParams(6, 1.0, 1.0),

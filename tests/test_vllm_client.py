@@ -112,13 +112,13 @@ def test_an_ordinary_failure_is_still_a_failed_sync_not_a_version_error(tmp_path
 
 def test_cpu_launch_flags_only_on_the_cpu():
     assert launch_args("", on_cpu=False) == [
-        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
     ]  # fmt: skip
     assert launch_args("--gpu-memory-utilization 0.5", on_cpu=False)[-2:] == [
         "--gpu-memory-utilization", "0.5",
     ]  # fmt: skip
     on_cpu = launch_args("", on_cpu=True)
-    for flag in ("--dtype", "--enforce-eager", "--kv-cache-memory-bytes"):
+    for flag in ("--enforce-eager", "--kv-cache-memory-bytes"):
         assert flag in on_cpu
 
 

@@ -20,6 +20,7 @@ the contract; each row has a test in tests/test_plan.py.
 | --save holds committed checkpoints (a tracker) this start won't continue | error: suggest --load SAVE or a new --save |
 | mode bridge + native source / mode raw + HF source | error naming the mode that fits                          |
 | resume saved at another world size (torchrun N)   | resume (DCP reshards); the plan says what stays exact     |
+| resume saved in another precision (fp32/bf16)     | resume; the plan says what stays exact                    |
 | PPO resume: the checkpoint has no critic/         | error: suggest --finetune (fresh critic) or another --load |
 | PPO resume: critic/ saved at another rollout      | error: the critic is behind (or ahead of) the actor       |
 | PPO: critic (checkpoint or --critic-load) from another model | error naming the differing fields              |
@@ -65,6 +66,8 @@ class StartFlags:
     world_size: int = 1  # processes of this run (torchrun --nproc-per-node x --nnodes)
     critic: bool = False  # --advantage-estimator ppo: the run trains a critic
     critic_load: str | None = None
+    precision: str = "fp32"  # the resolved compute precision (mileage.precision)
+    precision_note: str = ""  # why: auto's evidence, or "as asked"
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ class ResumePlan:
     critic: bool = False
     critic_from: str | None = None
     critic_state: bool = False
+    precision: str = "fp32"
+    precision_note: str = ""
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -135,6 +140,9 @@ class ResumePlan:
             f"  weights: {self.weights_from} ({self.weights_format}"
             + (f", iteration {self.iteration})" if self.iteration is not None else ")"),
             f"  also loads: {', '.join(loads) if loads else 'nothing else (fresh optimizer, RNG, data)'}",
+            f"  precision: {self.precision}"
+            + (" compute, fp32 master weights" if self.precision != "fp32" else "")
+            + (f" ({self.precision_note})" if self.precision_note else ""),
         ]
         if self.critic:
             lines.append(
@@ -219,6 +227,19 @@ def _world_size_change(info: CheckpointInfo | None, world_size: int) -> list[str
     ]
 
 
+def _precision_change(info: CheckpointInfo | None, precision: str) -> list[str]:
+    # checkpoints from before the record were all written by fp32 runs
+    saved = (info.meta if info is not None else {}).get("precision", "fp32")
+    if saved == precision:
+        return []
+    return [
+        f"precision changed: saved by a {saved} run, resuming in {precision}. Weights, optimizer "
+        "state (both fp32), rollout id, data position and LR continue exactly; the rollouts "
+        f"after it are not bit-identical to a run that stayed in {saved}: forward, backward and "
+        "generation round differently"
+    ]
+
+
 def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
     """Decide how this run starts. Raises UserError for every state it refuses."""
     reasons: list[str] = []
@@ -268,6 +289,7 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
         if not flags.load_rng:
             reasons.append("--no-load-rng: global RNG states not restored")
         reasons += _world_size_change(source.info, flags.world_size)
+        reasons += _precision_change(source.info, flags.precision)
     else:
         action, natural_start = FRESH, 0
         load_optim = load_rng = load_data = False
@@ -324,4 +346,6 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
         critic=flags.critic,
         critic_from=critic_from,
         critic_state=flags.critic and resumable,
+        precision=flags.precision,
+        precision_note=flags.precision_note,
     )

@@ -13,6 +13,9 @@ prefill still runs through the `transformers` model, but each new token runs thr
 Its tokens and log-probs are bit-identical to stepping the `transformers` model; it only skips
 what costs time there (regrowing the cache by concatenation every step, rebuilding masks and
 rotary tables, generic per-call Python). Other models decode through the `transformers` forward.
+
+Generation runs in the model's precision (`mileage.precision`): under bf16 autocast the prefill
+and both decode paths round the same operands the same way, so the fast path stays bit-identical.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+from mileage.precision import autocast
 
 # Model types whose decoder layer is Llama's (pre-norm RMSNorm, rotary attention, SiLU-gated MLP).
 FAST_DECODE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -304,6 +309,11 @@ class LocalEngine:
 
     @torch.inference_mode()
     def _generate_batch(self, prompts, params, generator) -> list[Completion]:
+        # prefill and every decode step (the fast path too) run in the model's precision
+        with autocast(self.model):
+            return self._generate_batch_in_precision(prompts, params, generator)
+
+    def _generate_batch_in_precision(self, prompts, params, generator) -> list[Completion]:
         device = next(self.model.parameters()).device
         batch, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((batch, width), self.pad_id, dtype=torch.long)

@@ -17,6 +17,7 @@ import torch
 
 from mileage.distributed import env
 from mileage.faults import fault_point
+from mileage.precision import autocast
 from mileage.seeding import derive_seed
 from mileage.training.advantages import compute_advantages
 from mileage.training.algo import AlgoConfig, load_custom_loss
@@ -36,16 +37,18 @@ def sequence_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
 ):
-    """Log-probs of `batch.targets` (and entropies), from target column `target_offset` on."""
+    """Log-probs of `batch.targets` (and entropies), from target column `target_offset` on,
+    computed in the model's precision (`mileage.precision`); the log-softmax is always fp32."""
     keep = batch.input_ids.shape[1] - batch.target_offset
-    if _accepts_logits_to_keep(model):
-        out = model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
-        )
-        logits = out.logits[:, :-1]
-    else:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        logits = out.logits[:, batch.target_offset : -1]
+    with autocast(model):
+        if _accepts_logits_to_keep(model):
+            out = model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
+            )
+            logits = out.logits[:, :-1]
+        else:
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            logits = out.logits[:, batch.target_offset : -1]
     return token_logprobs(logits, batch.targets, temperature, with_entropy, entropy_grad)
 
 

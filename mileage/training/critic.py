@@ -31,6 +31,7 @@ from mileage.config import option
 from mileage.errors import UserError
 from mileage.models.hf import empty_causal_lm
 from mileage.models.tensors import model_tensors
+from mileage.precision import autocast, precision_of, set_precision
 from mileage.seeding import derive_seed
 from mileage.training.batch import TrainBatch
 from mileage.training.losses import LossReducer, value_loss
@@ -107,7 +108,8 @@ class ValueModel(torch.nn.Module):
 
 def sequence_values(model: ValueModel, batch: TrainBatch) -> torch.Tensor:
     """Values at target columns from `target_offset` on, shaped like the batch's loss mask."""
-    values = model(batch.input_ids, batch.attention_mask)
+    with autocast(model):
+        values = model(batch.input_ids, batch.attention_mask)
     return values[:, batch.target_offset : batch.input_ids.shape[1] - 1]
 
 
@@ -203,7 +205,7 @@ def build_critic(
     """The critic the plan names: weights from `critic_from`/critic/, else a copy of the actor's
     starting weights (call before the actor trains) with a fresh value head."""
     body = copy.deepcopy(actor_model) if critic_from is None else empty_causal_lm(config_dir)
-    model = ValueModel(body, seed).eval()
+    model = set_precision(ValueModel(body, seed).eval(), precision_of(actor_model))
     if critic_from is not None:
         load_tensors(Path(critic_from) / CRITIC_DIR / MODEL_DIR, into=model_tensors(model))
     model.to(next(actor_model.parameters()).device)  # the critic trains where the actor does

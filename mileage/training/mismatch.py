@@ -7,7 +7,9 @@ and logs `logprob_abs_diff`, the mean over response tokens of |trainer - engine|
 
 Which log-probs are the "old policy" of the PPO ratio (miles' flags and meanings):
 - by default the trainer's recomputed ones when they were recomputed, else the engine's (the
-  in-process engine's log-probs come from the trainer's own module: nothing to recompute);
+  in-process engine's log-probs come from the trainer's own module: nothing to recompute in
+  fp32, where cached decoding and the training forward agree to ~1e-6; in bf16 they differ by
+  bf16's rounding, so the trainer recomputes them and the PPO ratio starts at exactly 1);
 - `--use-rollout-logprobs`: always the engine's;
 - `--use-tis`: truncated importance sampling. Each token's policy-gradient term is multiplied
   by clamp(exp(trainer - engine), --tis-clip-low, --tis-clip), a constant weight that corrects
@@ -26,6 +28,7 @@ import torch
 
 from mileage.config import option
 from mileage.errors import UserError
+from mileage.precision import BF16, precision_of
 from mileage.training.actor import Actor, sequence_logprobs
 from mileage.training.batch import TrainBatch
 from mileage.training.corrections import (
@@ -87,10 +90,17 @@ class MismatchConfig:
             )
 
 
-def needs_recompute(cfg: MismatchConfig, engine) -> bool:
+def needs_recompute(cfg: MismatchConfig, engine, precision: str = "fp32") -> bool:
     """Whether the trainer recomputes the sampled tokens' log-probs before training."""
     in_process = engine is not None and getattr(engine, "in_process", False)
-    return cfg.use_tis or cfg.get_mismatch_metrics or (engine is not None and not in_process)
+    # in bf16 always, a replay of saved rollouts (engine None) too, so that it recomputes the
+    # old log-probs exactly as the run that generated them did
+    return (
+        cfg.use_tis
+        or cfg.get_mismatch_metrics
+        or precision == BF16
+        or (engine is not None and not in_process)
+    )
 
 
 def load_tis_function(cfg: MismatchConfig) -> TisFunction | None:
@@ -126,7 +136,7 @@ def trainer_logprobs(actor: Actor, batch: TrainBatch) -> torch.Tensor:
 
 def apply_mismatch(cfg: MismatchConfig, engine, actor: Actor, batch: TrainBatch) -> dict:
     """Recompute, measure and correct as configured; returns the metrics to log."""
-    if not needs_recompute(cfg, engine):
+    if not needs_recompute(cfg, engine, precision_of(actor.model)):
         return {}
     mask = batch.loss_mask
     tokens = mask.sum().clamp(min=1.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mileage.precision import precision_of, torch_dtype_name
 from mileage.rollout.engine import LocalEngine
 from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.config import EngineConfig
@@ -35,4 +36,6 @@ def build_engine(
         )
     from mileage.rollout.engines.vllm import VLLMEngine
 
-    return VLLMEngine(cfg, vocab, eos_id, config_dir, log)
+    return VLLMEngine(
+        cfg, vocab, eos_id, config_dir, log, dtype=torch_dtype_name(precision_of(model))
+    )

@@ -55,15 +55,15 @@ SERVED_NAME = "mileage-policy"
 # requests in flight per server; vLLM batches them
 IN_FLIGHT = 64
 # Flags a launched server gets unless --vllm-args names them (vLLM's own defaults do not suit a
-# trainer that scores next to the server):
+# trainer that scores next to the server; `--dtype` comes first, the trainer's precision,
+# `launch_args(dtype=...)`: in fp32 the log-prob mismatch stays ~1e-6):
 LAUNCH_DEFAULTS = (
     ("--logprobs-mode", "processed_logprobs"),  # after temperature, as the trainer scores
     ("--generation-config", "vllm"),  # no sampling defaults from the model's files
 )
 # ... and these only when the server runs on the CPU (its torch sees no GPU): on a GPU vLLM's
-# own choices (the model's dtype, CUDA graphs, a share of GPU memory) are the right ones
+# own choices (CUDA graphs, a share of GPU memory) are the right ones
 CPU_LAUNCH_DEFAULTS = (
-    ("--dtype", "float32"),  # the trainer's precision: the log-prob mismatch stays ~1e-6
     ("--enforce-eager", None),  # on the CPU, torch.compile at start costs minutes
     # an explicit KV cache: the default, --gpu-memory-utilization 0.92, is on the CPU backend
     # the share of host memory to reserve and does not start next to a trainer
@@ -89,14 +89,15 @@ def default_vllm_python() -> Path:
     return mileage_home() / "vllm-venv" / "bin" / "python"
 
 
-def launch_args(user_args: str, on_cpu: bool = True) -> list[str]:
-    """`LAUNCH_DEFAULTS` (and on the CPU `CPU_LAUNCH_DEFAULTS`) less the flags the user set
-    (`--flag`, `--flag=`, `--no-flag`), then the user's flags."""
+def launch_args(user_args: str, dtype: str = "float32", on_cpu: bool = True) -> list[str]:
+    """`--dtype DTYPE` (the trainer's precision), `LAUNCH_DEFAULTS` (and on the CPU
+    `CPU_LAUNCH_DEFAULTS`) less the flags the user set (`--flag`, `--flag=`, `--no-flag`), then
+    the user's flags."""
     user = shlex.split(user_args)
     named = {a.split("=", 1)[0].replace("--no-", "--", 1) for a in user if a.startswith("--")}
     args: list[str] = []
-    defaults = CPU_LAUNCH_DEFAULTS[:1] + LAUNCH_DEFAULTS + CPU_LAUNCH_DEFAULTS[1:]
-    for flag, value in defaults if on_cpu else LAUNCH_DEFAULTS:
+    defaults = (("--dtype", dtype), *LAUNCH_DEFAULTS, *(CPU_LAUNCH_DEFAULTS if on_cpu else ()))
+    for flag, value in defaults:
         if flag in named or (flag in MEMORY_FLAGS and named & set(MEMORY_FLAGS)):
             continue
         args += [flag] if value is None else [flag, value]
@@ -150,7 +151,7 @@ def untie_on_disk(model: torch.nn.Module, path: Path) -> None:
 
 
 def launch_vllm(
-    cfg: EngineConfig, weights_dir: Path, tokenizer_dir: str, log
+    cfg: EngineConfig, weights_dir: Path, tokenizer_dir: str, log, dtype: str = "float32"
 ) -> tuple[ServerProcess, str]:
     python = Path(cfg.vllm_python) if cfg.vllm_python else default_vllm_python()
     if not python.exists():
@@ -162,7 +163,7 @@ def launch_vllm(
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights_dir),
         "--tokenizer", tokenizer_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-        *launch_args(cfg.vllm_args, on_cpu=runs_on_cpu(python)),
+        *launch_args(cfg.vllm_args, dtype, on_cpu=runs_on_cpu(python)),
     ]  # fmt: skip
     log_path = Path(tempfile.mkdtemp(prefix="mileage-vllm-")) / "vllm.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
@@ -224,8 +225,16 @@ def check_server_api(url: str, endpoint: str, why: str, timeout: float) -> None:
 class VLLMEngine:
     in_process = False
 
-    def __init__(self, cfg: EngineConfig, vocab_size: int, eos_id: int, model_dir: str, log):
-        self.cfg, self.model_dir, self.log = cfg, model_dir, log
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        vocab_size: int,
+        eos_id: int,
+        model_dir: str,
+        log,
+        dtype: str = "float32",  # a launched server's --dtype: the trainer's precision
+    ):
+        self.cfg, self.model_dir, self.log, self.dtype = cfg, model_dir, log, dtype
         self.server = None
         # without --rollout-url the server is launched at the first sync, from the (untied)
         # weights written for it, so that it starts with the trainer's weights and head layout
@@ -248,7 +257,7 @@ class VLLMEngine:
         untie_on_disk(model, path)
         self.weights_path = path
         if self.pool is None:
-            self.server, url = launch_vllm(self.cfg, path, self.model_dir, self.log)
+            self.server, url = launch_vllm(self.cfg, path, self.model_dir, self.log, self.dtype)
             self.pool = self._pool([url])
         self._load(path, version)
 
@@ -315,7 +324,9 @@ class VLLMEngine:
             f"({self.restarts_left} more restart(s) allowed by --vllm-restarts)"
         )
         self.server.stop(grace=5.0)
-        self.server, url = launch_vllm(self.cfg, self.weights_path, self.model_dir, self.log)
+        self.server, url = launch_vllm(
+            self.cfg, self.weights_path, self.model_dir, self.log, self.dtype
+        )
         self.pool = self._pool([url])
         self._load(self.weights_path, self.weight_version)
 

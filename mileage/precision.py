@@ -1,0 +1,106 @@
+"""Compute precision: fp32 everywhere, or bf16 compute over fp32 master weights.
+
+`--precision auto` (the default) picks bf16 only where the hardware computes it natively: a CUDA
+GPU with bf16, or a CPU with AMX (`amx_bf16`) or AVX512-BF16 (`avx512_bf16`). A CPU without
+them (AVX2 only) emulates bf16 matmuls and is slower with them than in fp32, so `auto` keeps
+fp32 there. `--bf16` is miles'/Megatron's switch and means `--precision bf16`.
+
+In bf16 the parameters, gradients and optimizer state stay fp32 (master weights); each forward
+(and so its backward) and each generation step runs under `torch.autocast` in bf16, which rounds
+the matmul inputs to bf16 and keeps reductions such as log-softmax and RMSNorm in fp32. A model
+carries its precision as an attribute (`set_precision`), so every code path that runs it
+(training, reference, critic, the in-process engine, `mileage serve`) enters the same context
+through `autocast(model)`, in any thread, and a deep copy keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mileage.config import option
+from mileage.errors import UserError
+
+FP32, BF16 = "fp32", "bf16"
+CHOICES = ("auto", FP32, BF16)
+# /proc/cpuinfo flags of CPUs that compute bf16 dot products in hardware
+NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+_ATTR = "mileage_precision"
+
+
+@dataclass
+class PrecisionConfig:
+    precision: str = option(
+        "auto",
+        "compute precision: auto (bf16 where the CPU/GPU does bf16 natively, else fp32), fp32 "
+        "or bf16; parameters, gradients and optimizer state stay fp32",
+        choices=CHOICES,
+    )
+    bf16: bool = option(False, "miles/Megatron's switch: the same as --precision bf16")
+
+    def requested(self) -> str:
+        if self.bf16 and self.precision == FP32:
+            raise UserError("--bf16 and --precision fp32 contradict each other; give one")
+        return BF16 if self.bf16 else self.precision
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The feature flags the kernel reports for the first CPU (empty where it has no cpuinfo)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether `device` computes bf16 natively, and the evidence in words."""
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported(including_emulation=False)
+        return ok, f"GPU {torch.cuda.get_device_name(device)} {'has' if ok else 'lacks'} bf16"
+    found = sorted(set(NATIVE_BF16_CPU_FLAGS) & cpu_flags())
+    if found:
+        return True, f"the CPU has {' and '.join(found)}"
+    return False, f"the CPU has none of {', '.join(NATIVE_BF16_CPU_FLAGS)} (bf16 would be emulated)"
+
+
+def resolve(requested: str, device: torch.device) -> tuple[str, str]:
+    """The precision a run computes in (fp32 or bf16) and a line saying why."""
+    if requested not in CHOICES:
+        raise UserError(f"precision must be one of {', '.join(CHOICES)}, got {requested!r}")
+    if requested != "auto":
+        return requested, "as asked"
+    native, why = native_bf16(device)
+    chosen = BF16 if native else FP32
+    return chosen, f"auto: {why}"
+
+
+def set_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """Mark `model` to run its forwards (and generation) in `precision`."""
+    if precision not in (FP32, BF16):
+        raise ValueError(f"not a resolved precision: {precision!r}")
+    setattr(model, _ATTR, precision)
+    return model
+
+
+def precision_of(model: torch.nn.Module) -> str:
+    return getattr(model, _ATTR, FP32)
+
+
+def autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The context a forward of `model` runs in: bf16 autocast on its device, or nothing."""
+    if precision_of(model) != BF16:
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def torch_dtype_name(precision: str) -> str:
+    """The `--dtype` spelling of vLLM and `mileage serve` for a resolved precision."""
+    return {FP32: "float32", BF16: "bfloat16"}[precision]
