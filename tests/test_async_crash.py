@@ -66,11 +66,15 @@ FULLY_CHAIN = [
 ]
 
 
-def trained_prompts(save: Path) -> list[list[int]]:
+def rollout_records(save: Path) -> list[dict]:
+    """The per-rollout records of metrics.jsonl (the evaluation before training, rollout -1,
+    is a record of its own, with no prompts or staleness)."""
     lines = (save / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    # the evaluation before training is a record of its own (rollout -1), with no prompts
-    return [r["prompt_indices"] for r in records if r["rollout_id"] >= 0]
+    return [r for r in map(json.loads, lines) if r["rollout_id"] >= 0]
+
+
+def trained_prompts(save: Path) -> list[list[int]]:
+    return [r["prompt_indices"] for r in rollout_records(save)]
 
 
 def assert_recovered(outcomes: list[Outcome], diffs: list[str]) -> None:
@@ -109,7 +113,7 @@ def test_staleness_zero_is_train_tensor_for_tensor(crash_reference, tmp_path):
 
 def test_one_step_off_trains_every_prompt_once_in_data_order(one_step_reference, crash_reference):
     save, _ = one_step_reference
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    records = rollout_records(save)
     assert [r["staleness_max"] for r in records] == [0, 1, 1, 1, 1, 1]
     # the same data order as synchronous training: nothing skipped, nothing repeated
     assert trained_prompts(save) == trained_prompts(crash_reference[0])
@@ -150,7 +154,7 @@ def test_fully_async_kills_resume_to_the_uninterrupted_async_run(builtin_model, 
     reference = tmp_path / "reference"
     run_uninterrupted(FULLY_ARGS, reference, subcommand=ASYNC)
     assert_learned(reference, builtin_model)
-    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    records = rollout_records(reference)
     assert sum(r["stale_groups"] for r in records) > 0  # the handler was exercised
     save = tmp_path / "run"
     outcomes = run_with_kills(FULLY_ARGS, save, FULLY_CHAIN, subcommand=ASYNC)
@@ -197,7 +201,7 @@ def test_train_async_continues_a_checkpoint_of_train(crash_reference, tmp_path):
     done = launch(args, save, subcommand=ASYNC)
     assert done.returncode == 0, done.tail()
     assert "resume at rollout 6 of 8" in done.stdout and "reuses" not in done.stdout
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    records = rollout_records(save)
     # nothing was generated ahead by `train`: rollout 6 is generated with the trainer's weights
     assert [r["staleness_max"] for r in records[6:]] == [0, 1]
     assert "staleness_max" not in records[5]
@@ -213,5 +217,5 @@ def test_concurrent_generation_trains_the_same_as_one_slot_at_a_time(builtin_mod
     two = tmp_path / "two"
     run_uninterrupted([*args, "--async-max-concurrent-samples", "64"], two, subcommand=ASYNC)
     assert compare_runs(one, two) == []
-    records = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+    records = rollout_records(one)
     assert [r["staleness_max"] for r in records] == [0, 1, 2, 2]
