@@ -5,6 +5,7 @@ loss mask (and so the loss denominator)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,6 +55,10 @@ def test_sequence_level_ratio_is_the_product_over_the_sequence():
     assert m["tis_rejected_frac"] == pytest.approx(2 / 5)
 
 
+# the trainer's log-probs are patched in; the actor only says its model computes in fp32
+FP32_ACTOR = SimpleNamespace(model=torch.nn.Linear(1, 1))
+
+
 def test_rejected_tokens_leave_the_loss_denominator(monkeypatch):
     batch = TrainBatch(
         input_ids=torch.zeros(2, 4, dtype=torch.long),
@@ -64,7 +69,7 @@ def test_rejected_tokens_leave_the_loss_denominator(monkeypatch):
     )
     monkeypatch.setattr(mm, "trainer_logprobs", lambda actor, b: TRAINER.clone())
     cfg = mm.MismatchConfig(use_tis=True, tis_clip=2.0, tis_clip_low=0.6, tis_mode="mask")
-    stats = mm.apply_mismatch(cfg, None, None, batch)
+    stats = mm.apply_mismatch(cfg, None, FP32_ACTOR, batch)
     assert torch.equal(batch.loss_mask, torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]))
     assert stats["tis_rejected_frac"] == pytest.approx(3 / 5)
     # per-token loss: 2 tokens in the divisor, not 5; per-token values 10 and 20 -> (10*1 + 20*1.5)/2
@@ -77,7 +82,7 @@ def test_rejected_tokens_leave_the_loss_denominator(monkeypatch):
     batch.loss_mask, batch.old_logprobs = MASK.clone(), ENGINE.clone()
     cfg = mm.MismatchConfig(use_tis=True, tis_clip=2.0, tis_clip_low=0.6)
     cfg.custom_tis_function_path = MILES_ICEPOP
-    mm.apply_mismatch(cfg, None, None, batch)
+    mm.apply_mismatch(cfg, None, FP32_ACTOR, batch)
     assert torch.equal(batch.loss_mask, torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]))
 
 
