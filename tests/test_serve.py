@@ -176,6 +176,8 @@ def test_broadcast_in_buckets_loads_every_tensor_and_a_short_update_is_refused(s
         assert engine.broadcast.last_buckets >= 3
         seed, params = SamplingSeed(1234, 0), SamplingParams(4, 1.0, 1.0)
         served = engine.generate([PROMPT] * 2, params, seed, group_size=2)
+        # the server computes in its default precision (auto): so does the engine it is held to
+        set_precision(model, resolve("auto", torch.device("cpu"))[0])
         local = LocalEngine(model, pad_id=0, eos_id=2).generate(
             [PROMPT] * 2, params, [torch.Generator().manual_seed(seed.row_seed(r)) for r in (0, 1)]
         )
