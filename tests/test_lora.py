@@ -409,10 +409,12 @@ def test_mileage_serve_generates_with_the_merged_adapter(builtin_model, tmp_path
     """An engine that takes no adapter gets merged weights on every sync, said once."""
     from mileage.testing.servers import start_servers
 
-    (server,) = start_servers(builtin_model, 1)
+    # fp32 on both sides: the check below is a log-prob match to float rounding, which bf16's
+    # rounding (~1e-4 here) would blur
+    (server,) = start_servers(builtin_model, 1, args=("--dtype", "float32"))
     try:
         save = tmp_path / "run"
-        engine = ["--rollout-engine", "sglang", "--rollout-url", server.url]
+        engine = ["--rollout-engine", "sglang", "--rollout-url", server.url, "--precision", "fp32"]
         done = run_uninterrupted(
             [
                 *builtin_train_args("--num-rollout", "2", "--global-batch-size", "16"),

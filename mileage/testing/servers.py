@@ -19,7 +19,12 @@ _LISTENING = re.compile(r"listening on (http://\S+)")
 class ServeProcess:
     """One `mileage serve --port 0`; `url` is known once it listens."""
 
-    def __init__(self, hf_checkpoint: str | Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        hf_checkpoint: str | Path,
+        env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+    ):
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env.pop("MILEAGE_KILL_AT", None)
         self.proc = subprocess.Popen(
@@ -34,6 +39,7 @@ class ServeProcess:
                 "0",
                 "--num-threads",
                 "1",
+                *args,
             ],  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -75,10 +81,14 @@ class ServeProcess:
 
 
 def start_servers(
-    hf_checkpoint: str | Path, count: int, env: dict[str, str] | None = None
+    hf_checkpoint: str | Path,
+    count: int,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> list[ServeProcess]:
-    """`count` servers started at once (their start-up overlaps), each ready or raising."""
-    servers = [ServeProcess(hf_checkpoint, env) for _ in range(count)]
+    """`count` servers started at once (their start-up overlaps), each ready or raising;
+    `args` are extra `mileage serve` flags (e.g. `--dtype float32`)."""
+    servers = [ServeProcess(hf_checkpoint, env, args) for _ in range(count)]
     deadline = time.monotonic() + 180
     try:
         for server in servers:
