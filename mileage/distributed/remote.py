@@ -17,9 +17,6 @@ Rank 0 talks to the servers; every rank gets the completions:
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +27,7 @@ from mileage.checkpoint.tensors import model_tensors
 from mileage.distributed import env
 from mileage.distributed.parallelize import full_value
 from mileage.errors import UserError
+from mileage.models.hf import write_atomically
 from mileage.rollout.engine import Completion, SamplingParams
 
 
@@ -47,22 +45,12 @@ def gather_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | Non
 
 def write_hf_weights(config: Any, tensors: dict[str, torch.Tensor], out: Path) -> Path:
     """An HF model directory (config + one safetensors file) at `out`, replaced atomically."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def write(staging: Path) -> None:
         config.save_pretrained(staging)
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.rename(out, old)
-            os.rename(staging, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+
+    return write_atomically(out, write)
 
 
 def _on_rank0(work) -> Any:
