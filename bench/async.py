@@ -30,7 +30,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import REPO, load_average, machine_info, median, print_table, write_results
+from _common import (
+    REPO,
+    load_average,
+    machine_info,
+    median,
+    output_path,
+    print_table,
+    write_results,
+)
 
 MODES = {
     "sync": ("train", []),
@@ -65,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", help="also write bench/results/<OUT>.json")
     options, extra = parser.parse_known_args(argv)
+    out = output_path(options.out) if options.out else None  # before measuring, not after
     base = ["--num-rollout", str(options.num_rollout), "--eval-interval", "0", *extra]
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
@@ -104,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             ("staleness", "staleness"),
         ],
     )
-    if options.out:
+    if out is not None:
         write_results(
-            options.out,
+            out,
             {
                 "machine": machine_info(1),
                 "load": [load_before, load_average()],
