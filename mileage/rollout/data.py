@@ -1,4 +1,4 @@
-"""Prompt data: JSONL, Parquet, reasoning-gym tasks or built-in records, and a data source
+"""Prompt data: JSONL, Parquet, reasoning-gym tasks, verifiers tasksets or built-in records, and a data source
 whose position is checkpointed.
 
 The order of epoch `e` is a pure function of `(seed, e)` when `--rollout-shuffle` is on and the
@@ -19,7 +19,7 @@ import torch
 
 from mileage.config import option
 from mileage.errors import UserError
-from mileage.rollout import gym
+from mileage.rollout import gym, vfenv
 from mileage.rollout.tasks import TASKS, builtin_task
 from mileage.seeding import generator_for
 
@@ -29,7 +29,8 @@ class DataConfig:
     prompt_data: str | None = option(
         None,
         "prompts: a .jsonl or .parquet file, or a reasoning-gym task as "
-        "'gym:TASK?size=N&seed=S&OPTION=VALUE' (default: the built-in task)",
+        "'gym:TASK?size=N&seed=S&OPTION=VALUE', or a verifiers taskset as "
+        "'verifiers:ID?limit=N&skip=M&OPTION=VALUE' (default: the built-in task)",
     )
     input_key: str = option("prompt", "JSONL key / Parquet column holding the prompt")
     label_key: str = option("label", "JSONL key / Parquet column holding the reference answer")
@@ -137,6 +138,21 @@ def _gym_prompts(spec: gym.GymSpec, entries: list[dict]) -> list[Prompt]:
     return [Prompt(i, spec.prompt_text(e), str(e["answer"])) for i, e in enumerate(entries)]
 
 
+def _vf_prompts(spec: vfenv.VerifiersSpec, flag: str = "--prompt-data") -> list[Prompt]:
+    # the label is the task's key: the scorer finds the task (data, rubric) by it
+    tasks = vfenv.load_tasks(spec, flag)
+    return [Prompt(i, vfenv.prompt_text(t), t.key) for i, t in enumerate(tasks)]
+
+
+def _vf_evals(cfg: DataConfig) -> list[tuple[str, vfenv.VerifiersSpec]]:
+    """(name, spec) of each --eval-prompt-data dataset that is a verifiers taskset."""
+    return [
+        (name, vfenv.parse_verifiers_spec(source, "--eval-prompt-data"))
+        for name, source in eval_sources(cfg)
+        if vfenv.is_verifiers_spec(source)
+    ]
+
+
 def _gym_train(cfg: DataConfig) -> tuple[gym.GymSpec, Any, list[dict]]:
     spec = gym.parse_gym_spec(cfg.prompt_data)
     return (spec, *gym.gym_entries(spec))
@@ -151,11 +167,12 @@ def eval_sources(cfg: DataConfig) -> list[tuple[str, str]]:
     values = list(cfg.eval_prompt_data or [])
     if len(values) == 1:
         source = values[0]
-        name = (
-            gym.parse_gym_spec(source, "--eval-prompt-data").task
-            if gym.is_gym_spec(source)
-            else Path(source).stem
-        )
+        if gym.is_gym_spec(source):
+            name = gym.parse_gym_spec(source, "--eval-prompt-data").task
+        elif vfenv.is_verifiers_spec(source):
+            name = vfenv.parse_verifiers_spec(source, "--eval-prompt-data").name
+        else:
+            name = Path(source).stem
         return [(name, source)]
     if len(values) % 2:
         raise UserError(f"--eval-prompt-data takes NAME PATH pairs; {values[-1]!r} has no path")
@@ -203,6 +220,8 @@ def load_train_prompts(cfg: DataConfig) -> list[Prompt]:
     if gym.is_gym_spec(cfg.prompt_data):
         spec, _, entries = _gym_train(cfg)
         return _gym_prompts(spec, entries)
+    if vfenv.is_verifiers_spec(cfg.prompt_data):
+        return _vf_prompts(vfenv.parse_verifiers_spec(cfg.prompt_data))
     if cfg.prompt_data:
         return load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key)
     return _from_records(builtin_task(cfg.builtin_task)[0])
@@ -211,6 +230,7 @@ def load_train_prompts(cfg: DataConfig) -> list[Prompt]:
 def load_eval_sets(cfg: DataConfig) -> list[EvalSet]:
     """The evaluation datasets, in --eval-prompt-data order ([] when there are none)."""
     gyms = dict(_gym_evals(cfg))
+    vfs = dict(_vf_evals(cfg)) if cfg.eval_prompt_data else {}
     if cfg.eval_prompt_data:
         input_key = cfg.eval_input_key or cfg.input_key
         label_key = cfg.eval_label_key or cfg.label_key
@@ -219,6 +239,8 @@ def load_eval_sets(cfg: DataConfig) -> list[EvalSet]:
                 name,
                 _gym_prompts(gyms[name][0], gyms[name][2])
                 if name in gyms
+                else _vf_prompts(vfs[name], "--eval-prompt-data")
+                if name in vfs
                 else load_prompts(
                     source, input_key, label_key, "--eval-input-key/--eval-label-key"
                 ),
@@ -234,7 +256,21 @@ def load_eval_sets(cfg: DataConfig) -> list[EvalSet]:
 
 
 def task_reward(cfg: DataConfig) -> Callable[[str, str, str], float] | None:
-    """The task's own scorer when the prompts come from reasoning-gym, else None."""
+    """The task's own scorer when the prompts come from reasoning-gym or verifiers, else None."""
+    vf_train = vfenv.is_verifiers_spec(cfg.prompt_data)
+    vf_evals = _vf_evals(cfg) if cfg.eval_prompt_data else []
+    if vf_train or vf_evals:
+        if gym.is_gym_spec(cfg.prompt_data) or _gym_evals(cfg):
+            raise UserError(
+                "gym: and verifiers: prompt data each bring their own scorer; use one of them "
+                "per run"
+            )
+        scorer = vfenv.VerifiersScorer()
+        if vf_train:
+            scorer.add(vfenv.load_tasks(vfenv.parse_verifiers_spec(cfg.prompt_data)))
+        for _, spec in vf_evals:
+            scorer.add(vfenv.load_tasks(spec, "--eval-prompt-data"))
+        return scorer
     gym_evals = _gym_evals(cfg)
     if not gym.is_gym_spec(cfg.prompt_data) and not gym_evals:
         return None

@@ -1,0 +1,320 @@
+"""verifiers (prime-rl's environment library, 0.4.0) tasksets as prompt data, scored by each
+task's own rubric.
+
+A taskset is named where a prompt file would be:
+`--prompt-data 'verifiers:TASKSET_ID?limit=N&skip=M&KEY=VALUE'`. TASKSET_ID is what verifiers
+calls the environment id of a single-agent run (`vf-eval TASKSET_ID`): an installed package
+exporting one `vf.Taskset` subclass (a hub id `owner/name@version` imports as `name`, as verifiers
+does it). `skip` and `limit` are verifiers' own select views (the first `skip` tasks are left out,
+then `limit` are taken: all of a finite taskset by default); every other key is a field of the
+taskset's config (values are read as JSON when they parse, else as strings) and is validated by
+the config's own pydantic model.
+
+What mileage runs of it: each task's prompt (its system prompt folded in front of the user
+prompt, as verifiers' harnesses without a separate system prompt do) is answered by the policy in
+one turn, and the task's `@vf.reward` functions (and config-plugged rewards) score a
+`vf.Trace` holding that conversation; the reward is the trace's weighted sum, as in verifiers.
+That is verifiers' `null` harness on a task without tools. What does not fit, and is refused at
+start with the reason: a taskset that bundles its own `Env` or harness, tasks with tool servers
+(`toolsets`), container tasks, and tasks with `setup`/`finalize` hooks or rewards that need a
+sandbox runtime. docs/verifiers.md says why (verifiers 0.4.0 drives turns from a harness program
+in a sandbox, over HTTP, not from hooks a trainer can call).
+
+Exact resume: a task's state is its data (`idx` and fields, hashed into the task key the prompt's
+label carries) plus the sample's response; the reward is recomputed from them, so a resumed run
+scores the same trajectories the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from mileage.errors import UserError
+
+PREFIX = "verifiers:"
+INSTALL = "pip install 'mileage[verifiers]'"
+# verifiers' own select views; every other key goes to the taskset's config
+VIEW_KEYS = ("limit", "skip")
+
+
+def is_verifiers_spec(text: str | None) -> bool:
+    return bool(text) and text.startswith(PREFIX)
+
+
+@dataclass(frozen=True)
+class VerifiersSpec:
+    taskset: str
+    limit: int | None = None
+    skip: int = 0
+    options: tuple[tuple[str, str], ...] = ()  # (key, JSON text): hashable, order-free
+
+    def config_data(self) -> dict[str, Any]:
+        return {"id": self.taskset, **{k: json.loads(v) for k, v in self.options}}
+
+    @property
+    def name(self) -> str:
+        """The metric name of an evaluation set of it: the package name, without owner/version."""
+        return self.taskset.rsplit("/", 1)[-1].split("@", 1)[0]
+
+    def __str__(self) -> str:
+        parts = [f"{k}={v}" for k, v in (("skip", self.skip), ("limit", self.limit)) if v]
+        parts += [f"{k}={v}" for k, v in self.options]
+        return PREFIX + self.taskset + ("?" + "&".join(parts) if parts else "")
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_verifiers_spec(text: str, flag: str = "--prompt-data") -> VerifiersSpec:
+    """`verifiers:ID?limit=N&skip=M&key=value` -> VerifiersSpec; a malformed part is a UserError."""
+    body = text[len(PREFIX) :]
+    taskset, _, query = body.partition("?")
+    if not taskset.strip():
+        raise UserError(f"{flag} {text!r}: name a verifiers environment, e.g. verifiers:gsm8k")
+    fields: dict[str, Any] = {}
+    for part in filter(None, query.split("&")):
+        key, sep, raw = part.partition("=")
+        if not sep or not key:
+            raise UserError(f"{flag} {text!r}: {part!r} is not KEY=VALUE")
+        if key == "id":
+            raise UserError(f"{flag} {text!r}: the environment id goes before '?', not as id=")
+        fields[key] = _value(raw)
+    views = {key: fields.pop(key) for key in VIEW_KEYS if key in fields}
+    for key, value in views.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise UserError(f"{flag} {text!r}: {key} must be a non-negative integer")
+    if views.get("limit") == 0:
+        raise UserError(f"{flag} {text!r}: limit must be positive")
+    options = tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in fields.items()))
+    return VerifiersSpec(taskset, views.get("limit"), views.get("skip", 0), options)
+
+
+def _verifiers():
+    try:
+        import verifiers.v1 as vf
+    except ImportError:
+        raise UserError(f"verifiers: prompt data needs verifiers 0.4: {INSTALL}") from None
+    return vf
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _load_taskset(spec: VerifiersSpec, flag: str):
+    vf = _verifiers()
+    from pydantic import ValidationError
+    from verifiers.v1.utils import loaders
+
+    try:
+        config_type = loaders.taskset_config_type(spec.taskset)
+    except ModuleNotFoundError as exc:
+        if exc.name and spec.name.replace("-", "_").lower() not in exc.name:
+            # the package exists but one of its own imports is missing
+            raise UserError(f"{flag}: verifiers environment {spec.taskset!r}: {exc}") from None
+        raise UserError(
+            f"{flag}: unknown verifiers environment {spec.taskset!r}: no installed package "
+            f"{spec.name.replace('-', '_').lower()!r} (install the environment's package first)"
+        ) from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"{flag}: {spec.taskset!r} is not a verifiers taskset: {exc}") from None
+    try:
+        config = config_type.model_validate(spec.config_data())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise UserError(
+            f"{flag} {spec}: the taskset's config refused {where}: {first['msg']}"
+        ) from None
+    _refuse_what_does_not_fit(vf, loaders, spec, flag)
+    try:
+        return loaders.load_taskset(config)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the taskset's own code
+        raise UserError(f"{flag} {spec}: the taskset failed to load: {_one_line(exc)}") from None
+
+
+def _refuse_what_does_not_fit(vf, loaders, spec: VerifiersSpec, flag: str) -> None:
+    """Tasksets whose rollouts need verifiers' harness programs, sandboxes or tool servers."""
+    why = "mileage answers each task in one turn of its own engine (docs/verifiers.md)"
+    env_class = loaders.environment_class(spec.taskset)
+    if env_class is not vf.SingleAgentEnv:
+        raise UserError(
+            f"{flag}: {spec.taskset!r} bundles its own environment {env_class.__name__} (agents "
+            f"driven through verifiers' harness programs); {why}"
+        )
+    harness = loaders.default_harness_id(spec.taskset)
+    if harness != "bash":  # "bash" is verifiers' fallback when the taskset ships no harness
+        raise UserError(
+            f"{flag}: {spec.taskset!r} ships its own harness {harness!r}, which drives the turns "
+            f"from a program in a sandbox; {why}"
+        )
+
+
+def _check_task(vf, task, flag: str, spec: VerifiersSpec) -> None:
+    """Refuse a task that mileage could not play or score the way verifiers would."""
+    task_cls = type(task)
+    name = task_cls.__name__
+    if task_cls.NEEDS_CONTAINER or task.data.image:
+        raise UserError(f"{flag} {spec}: task {name} runs in a container; not supported")
+    if task_cls.toolsets(task.config):
+        raise UserError(
+            f"{flag} {spec}: task {name} offers tools through MCP tool servers (toolsets), "
+            "which only verifiers' harness programs call; write a --custom-generate-function-path "
+            "or use --generate-execute-tool-function-path (docs/verifiers.md)"
+        )
+    for hook in ("setup", "finalize", "stage_verifier"):
+        if getattr(task_cls, hook) is not getattr(vf.Task, hook):
+            raise UserError(
+                f"{flag} {spec}: task {name} overrides {hook}(), which prepares a sandbox "
+                "runtime; mileage scores without one"
+            )
+    offline = [fn for fn in task.hooks("reward") if "runtime" not in _required_params(fn)]
+    if task.config.judges:
+        raise UserError(
+            f"{flag} {spec}: task {name} plugs judges (a model called over the network to score); "
+            "mileage scores offline and deterministically, so they are not supported"
+        )
+    if not offline:
+        raise UserError(
+            f"{flag} {spec}: task {name} has no reward that scores without a sandbox runtime "
+            "(every @vf.reward asks for `runtime`)"
+        )
+
+
+def _required_params(fn) -> set[str]:
+    import inspect
+
+    return {
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.default is inspect.Parameter.empty
+    }
+
+
+def prompt_text(task) -> str:
+    """The task's prompt as one text, the system prompt folded in front as verifiers folds it
+    for a harness without a separate system prompt (`Harness.resolve_prompt`)."""
+    data = task.data
+    prompt = data.prompt
+    system = data.system_prompt
+    if prompt is None:
+        raise UserError(f"task {data.idx} has no prompt (the user opens the conversation)")
+    if not isinstance(prompt, str):
+        roles = [m.role for m in prompt]
+        if roles not in (["user"], ["system", "user"]) or any(
+            not isinstance(m.content, str) for m in prompt
+        ):
+            raise UserError(
+                f"task {data.idx}: its prompt is a message list ({', '.join(roles)}); only a text "
+                "prompt or one [system,] user text message is supported"
+            )
+        if roles[0] == "system":
+            system = "\n\n".join(s for s in (system, prompt[0].content) if s)
+        prompt = prompt[-1].content
+    return f"{system}\n\n{prompt}" if system else prompt
+
+
+@lru_cache(maxsize=8)
+def load_tasks(spec: VerifiersSpec, flag: str = "--prompt-data") -> tuple[Any, ...]:
+    """The tasks of `spec` in the taskset's order (cached: train, eval and scorer share them)."""
+    vf = _verifiers()
+    taskset = _load_taskset(spec, flag)
+    if spec.limit is None and not taskset.bounded:
+        raise UserError(f"{flag} {spec}: the taskset is infinite; give limit=N")
+    view = taskset.skip(spec.skip) if spec.skip else taskset
+    if spec.limit is not None:
+        view = view.take(spec.limit)
+    try:
+        tasks = tuple(view)
+    except Exception as exc:  # noqa: BLE001 - the taskset's own load() failed
+        raise UserError(f"{flag} {spec}: the taskset failed to load: {_one_line(exc)}") from None
+    if not tasks:
+        raise UserError(f"{flag} {spec}: no tasks (skip={spec.skip} passes them all)")
+    seen: set[str] = set()
+    for task in tasks:
+        _check_task(vf, task, flag, spec)
+        if task.key in seen:
+            raise UserError(
+                f"{flag} {spec}: two tasks share the key {task.key[:12]}...; verifiers requires "
+                "task keys unique within a taskset"
+            )
+        seen.add(task.key)
+    return tasks
+
+
+class VerifiersScorer:
+    """Reward `fn(prompt, response, label)` whose label is a task's key: the task's own rubric
+    scores a one-turn `vf.Trace` of the prompt and the response."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, Any] = {}
+
+    def add(self, tasks: tuple[Any, ...]) -> None:
+        for task in tasks:
+            self._tasks[task.key] = task
+
+    def __call__(self, prompt: str, response: str, label: str) -> float:
+        return self.score_batch([(prompt, response, label)])[0]
+
+    def score_batch(self, items: list[tuple[str, str, str]]) -> list[float]:
+        """All of a rollout's samples concurrently (verifiers' rewards are coroutines)."""
+
+        async def gather() -> list[float]:
+            return await asyncio.gather(*(self._score(*item) for item in items))
+
+        return asyncio.run(gather())
+
+    async def _score(self, prompt: str, response: str, label: str) -> float:
+        task = self._tasks.get(label)
+        if task is None:
+            raise UserError(
+                "the verifiers scorer can only grade prompts of its verifiers: environment; set "
+                "--rm-type to grade other prompt data"
+            )
+        trace = one_turn_trace(task, response)
+        try:
+            await task.score(trace)
+        except Exception as exc:  # noqa: BLE001 - the rubric is the environment's code
+            raise UserError(
+                f"the verifiers rubric of task {task.data.idx} ({type(task).__name__}) failed: "
+                f"{_one_line(exc)}"
+            ) from None
+        return float(trace.reward)
+
+
+def one_turn_trace(task, response: str):
+    """A finished `vf.Trace` of `task`: its prompt messages, then `response` as the model's turn."""
+    vf = _verifiers()
+    from verifiers.v1.graph import MessageNode
+
+    trace = vf.Trace(
+        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        agent=vf.AgentInfo(config=vf.AgentConfig()),
+    )
+    data = task.data
+    if isinstance(data.prompt, str):
+        messages = [vf.UserMessage(content=data.prompt)]
+    else:
+        messages = list(data.prompt or [])
+    if data.system_prompt:
+        messages.insert(0, vf.SystemMessage(content=data.system_prompt))
+    messages.append(vf.AssistantMessage(content=response))
+    for i, message in enumerate(messages):
+        trace.nodes.append(
+            MessageNode(
+                parent=i - 1 if i else None,
+                message=message,
+                sampled=i == len(messages) - 1,
+            )
+        )
+    trace.ok = True
+    trace.stop("agent_completed")
+    return trace
