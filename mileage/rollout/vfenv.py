@@ -227,6 +227,11 @@ def load_tasks(spec: VerifiersSpec, flag: str = "--prompt-data") -> tuple[Any, .
     """The tasks of `spec` in the taskset's order (cached: train, eval and scorer share them)."""
     vf = _verifiers()
     taskset = _load_taskset(spec, flag)
+    if type(taskset).toolsets(taskset.config):
+        raise UserError(
+            f"{flag} {spec}: the taskset shares MCP tool servers (Taskset.toolsets), which only "
+            "verifiers' harness programs call; see docs/verifiers.md"
+        )
     if spec.limit is None and not taskset.bounded:
         raise UserError(f"{flag} {spec}: the taskset is infinite; give limit=N")
     view = taskset.skip(spec.skip) if spec.skip else taskset
