@@ -91,6 +91,10 @@ DYNAMIC_CRASH = (
     f"{DYNAMIC}::test_kills_between_rounds_and_at_commits_resume_to_the_uninterrupted_run"
 )
 
+VF = "tests/test_verifiers.py"
+VF_RUBRIC = f"{VF}::test_prompts_labels_and_the_rubric"
+VF_TRACE = f"{VF}::test_the_trace_the_rubric_sees"
+
 
 @dataclass(frozen=True)
 class Mutant:
@@ -1188,6 +1192,46 @@ MUTANTS = [
         "self.engine.update_weights(set_precision(model, self.precision))",
         "self.engine.update_weights(model)",
         (f"{SERVE}::test_serve_says_its_dtype_and_keeps_it_across_weight_reloads",),
+    ),
+    Mutant(
+        "vf-reward-ignores-weights",
+        "a verifiers task's reward sums its rubric's scores without their weights",
+        "mileage/rollout/vfenv.py",
+        "return float(trace.reward)",
+        "return float(sum(r.score for r in trace.rewards.values() if r is not None))",
+        (VF_RUBRIC,),
+    ),
+    Mutant(
+        "vf-system-prompt-dropped",
+        "a verifiers task's system prompt is left out of the prompt",
+        "mileage/rollout/vfenv.py",
+        'return f"{system}\\n\\n{prompt}" if system else prompt',
+        "return prompt",
+        (VF_TRACE,),
+    ),
+    Mutant(
+        "vf-skip-ignored",
+        "verifiers:ID?skip=M starts at the first task (a held-out set repeats training tasks)",
+        "mileage/rollout/vfenv.py",
+        "view = taskset.skip(spec.skip) if spec.skip else taskset",
+        "view = taskset",
+        (VF_RUBRIC,),
+    ),
+    Mutant(
+        "vf-eval-tasks-not-scored",
+        "the scorer knows only the training taskset's tasks, not the evaluation sets'",
+        "mileage/rollout/data.py",
+        'scorer.add(vfenv.load_tasks(spec, "--eval-prompt-data"))',
+        "pass",
+        (VF_RUBRIC,),
+    ),
+    Mutant(
+        "vf-tool-servers-accepted",
+        "a verifiers task with MCP tool servers is played as if it had none",
+        "mileage/rollout/vfenv.py",
+        "    if task_cls.toolsets(task.config):",
+        "    if False:",
+        (f"{VF}::test_what_does_not_fit_is_refused_in_one_line",),
     ),
 ]
 

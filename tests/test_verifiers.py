@@ -21,7 +21,7 @@ from mileage.rollout.vfenv import VerifiersSpec, parse_verifiers_spec
 
 # An addition taskset in the built-in model's format ("07+45=" -> the sum's digits reversed), with
 # a weighted rubric: `correct` (weight 1), `short` (weight 0.5) and a metric that is not summed.
-ADDITION = '''
+ADDITION = """
 import verifiers.v1 as vf
 
 
@@ -61,7 +61,7 @@ class AddTaskset(vf.Taskset[AddTask, AddConfig]):
 
 
 __all__ = ["AddTaskset"]
-'''
+"""
 
 # Tasksets mileage must refuse, each for a reason docs/verifiers.md gives.
 REFUSED = {
@@ -132,7 +132,7 @@ T.task_cls = BrokenTask
 __all__ = ["T"]
 """,
 }
-REFUSED_BASE = '''
+REFUSED_BASE = """
 import verifiers.v1 as vf
 
 
@@ -149,7 +149,7 @@ class T(vf.Taskset):
     def load(self):
         for i in range(3):
             yield self.task_cls(vf.TaskData(prompt=self.prompt, id=str(i)), self.config.task)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +266,9 @@ def test_an_infinite_taskset_with_a_limit_and_a_failing_rubric(packages):
     assert len(load_train_prompts(DataConfig(prompt_data="verifiers:vf_infinite?limit=2"))) == 2
     cfg = DataConfig(prompt_data="verifiers:vf_broken")
     prompt = load_train_prompts(cfg)[0]
-    with pytest.raises(UserError, match="rubric of task 0 \\(BrokenTask\\) failed: .*ValueError: rubric exploded"):
+    with pytest.raises(
+        UserError, match="rubric of task 0 \\(BrokenTask\\) failed: .*ValueError: rubric exploded"
+    ):
         task_reward(cfg)(prompt.text, "1", prompt.label)
 
 
