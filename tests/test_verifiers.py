@@ -159,6 +159,7 @@ def packages(tmp_path_factory):
     (root / "vf_addition.py").write_text(ADDITION)
     for name, body in REFUSED.items():
         (root / f"{name}.py").write_text(REFUSED_BASE + textwrap.dedent(body))
+    (root / "vf_missing_dependency.py").write_text("import vf_no_such_dependency\n")
     sys.path.insert(0, str(root))
     yield root
     sys.path.remove(str(root))
@@ -244,6 +245,10 @@ def test_the_trace_the_rubric_sees(packages):
     ("spec", "message"),
     [
         ("verifiers:vf_no_such_env", "unknown verifiers environment 'vf_no_such_env'"),
+        (
+            "verifiers:vf_missing_dependency",
+            "is installed but cannot be imported: no module named 'vf_no_such_dependency'",
+        ),
         ("verifiers:vf_addition?n=x", "config refused n: Input should be a valid integer"),
         ("verifiers:vf_addition?bogus=1", "config refused bogus: Extra inputs"),
         ("verifiers:vf_addition?skip=40", "no tasks"),

@@ -117,12 +117,18 @@ def _load_taskset(spec: VerifiersSpec, flag: str):
     try:
         config_type = loaders.taskset_config_type(spec.taskset)
     except ModuleNotFoundError as exc:
-        if exc.name and spec.name.replace("-", "_").lower() not in exc.name:
-            # the package exists but one of its own imports is missing
-            raise UserError(f"{flag}: verifiers environment {spec.taskset!r}: {exc}") from None
+        module = spec.name.replace("-", "_").lower()
+        # verifiers re-raises any ModuleNotFoundError of the import as "not found"; the original
+        # (its cause) names the module that is missing: the package's, or one it imports
+        missing = getattr(exc.__cause__, "name", None) or exc.name
+        if missing and missing.split(".")[-1] != module:
+            raise UserError(
+                f"{flag}: verifiers environment {spec.taskset!r} is installed but cannot be "
+                f"imported: no module named {missing!r}"
+            ) from None
         raise UserError(
             f"{flag}: unknown verifiers environment {spec.taskset!r}: no installed package "
-            f"{spec.name.replace('-', '_').lower()!r} (install the environment's package first)"
+            f"{module!r} (install the environment's package first)"
         ) from None
     except (TypeError, ValueError, AttributeError) as exc:
         raise UserError(f"{flag}: {spec.taskset!r} is not a verifiers taskset: {exc}") from None
