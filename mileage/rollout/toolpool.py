@@ -22,6 +22,7 @@ import signal
 import threading
 from typing import Any
 
+from mileage.faults import fault_point
 from mileage.rollout.toolworker import TOOL_ERROR, TOOL_TIMEOUT, serve
 
 
@@ -29,7 +30,7 @@ class _Worker:
     def __init__(self, path: str):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(path, child), daemon=True)
+        self.process = ctx.Process(target=serve, args=(path, child, os.getpid()), daemon=True)
         self.process.start()
         child.close()
 
@@ -56,8 +57,11 @@ class ToolPool:
 
     def _take(self) -> _Worker:
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.process.is_alive():
+                    return worker
+                worker.kill()  # died while idle (killed from outside): replaced below
             self._started += 1
         return _Worker(self.path)
 
@@ -73,6 +77,7 @@ class ToolPool:
         worker = self._take()
         try:
             worker.conn.send((name, arguments))
+            fault_point("tool_running")  # the trainer killed while the tool runs
             if not worker.conn.poll(self.timeout):
                 worker.kill()
                 return TOOL_TIMEOUT, f"tool {name!r} ran past --tool-timeout {self.timeout:g}s"
