@@ -23,7 +23,11 @@ import threading
 from typing import Any
 
 from mileage.faults import fault_point
-from mileage.rollout.toolworker import TOOL_ERROR, TOOL_TIMEOUT, serve
+from mileage.rollout.toolworker import READY, TOOL_ERROR, TOOL_TIMEOUT, serve
+
+# seconds a new worker may take to start and import the tool's module (not part of any call's
+# --tool-timeout)
+STARTUP_TIMEOUT = 120.0
 
 
 class _Worker:
@@ -33,6 +37,7 @@ class _Worker:
         self.process = ctx.Process(target=serve, args=(path, child, os.getpid()), daemon=True)
         self.process.start()
         child.close()
+        self.ready = False  # the worker has loaded the tool and said so
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -76,6 +81,11 @@ class ToolPool:
     def _call_in_worker(self, name: str, arguments: dict[str, Any]) -> tuple[str, str]:
         worker = self._take()
         try:
+            if not worker.ready:
+                if not worker.conn.poll(STARTUP_TIMEOUT) or worker.conn.recv() != READY:
+                    worker.kill()
+                    return TOOL_ERROR, f"the tool's worker did not start in {STARTUP_TIMEOUT}s"
+                worker.ready = True
             worker.conn.send((name, arguments))
             fault_point("tool_running")  # the trainer killed while the tool runs
             if not worker.conn.poll(self.timeout):

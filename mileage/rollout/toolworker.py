@@ -17,6 +17,7 @@ import time
 OK = "ok"
 TOOL_ERROR = "tool_error"
 TOOL_TIMEOUT = "tool_timeout"
+READY = "ready"
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -42,6 +43,9 @@ def serve(path: str, conn: multiprocessing.connection.Connection, parent: int) -
         fn = load_function(path, "--generate-execute-tool-function-path")
     except UserError as exc:
         fn, load_error = None, str(exc)
+    # the trainer starts a call's timeout only after this: a slow start (a loaded machine, a
+    # heavy tool module) must not turn into a timeout of the first call
+    conn.send(READY)
     while True:
         try:
             name, arguments = conn.recv()
