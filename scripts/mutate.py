@@ -1205,8 +1205,8 @@ MUTANTS = [
         "vf-system-prompt-dropped",
         "a verifiers task's system prompt is left out of the prompt",
         "mileage/rollout/vfenv.py",
-        'return f"{system}\\n\\n{prompt}" if system else prompt',
-        "return prompt",
+        "messages.insert(0, vf.SystemMessage(content=data.system_prompt))",
+        "pass",
         (VF_TRACE,),
     ),
     Mutant(

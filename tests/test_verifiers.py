@@ -257,7 +257,7 @@ def test_the_trace_the_rubric_sees(packages):
         ("verifiers:vf_tools", "offers tools through MCP tool servers"),
         ("verifiers:vf_sandbox_reward", "no reward that scores without a sandbox runtime"),
         ("verifiers:vf_setup", "overrides setup()"),
-        ("verifiers:vf_messages", "message list \\(user, assistant, user\\)"),
+        ("verifiers:vf_messages", "conversation \\(user, assistant, user\\); without --apply-chat"),
         ("verifiers:vf_infinite", "the taskset is infinite; give limit=N"),
     ],
 )
@@ -265,6 +265,35 @@ def test_what_does_not_fit_is_refused_in_one_line(packages, spec, message):
     with pytest.raises(UserError, match=message) as caught:
         load_train_prompts(DataConfig(prompt_data=spec))
     assert "\n" not in str(caught.value)
+
+
+def test_with_the_chat_template_the_prompt_is_the_tasks_messages(packages):
+    """--apply-chat-template: the system prompt is a system message and a conversation prompt
+    is taken whole; the rubric's trace holds the same messages, only the reply sampled."""
+    cfg = DataConfig(prompt_data='verifiers:vf_addition?limit=2&system="Add."')
+    chat = DataConfig(prompt_data=cfg.prompt_data, apply_chat_template=True)
+    plain, templated = load_train_prompts(cfg)[1], load_train_prompts(chat)[1]
+    assert plain.messages is None and plain.text == "Add.\n\n10+18="
+    assert templated.messages == [
+        {"role": "system", "content": "Add."},
+        {"role": "user", "content": "10+18="},
+    ]
+    assert (templated.text, templated.label) == ("10+18=", plain.label)
+    assert task_reward(chat)(templated.text, "82", templated.label) == 1.5
+
+    conversation = DataConfig(prompt_data="verifiers:vf_messages", apply_chat_template=True)
+    prompt = load_train_prompts(conversation)[0]
+    assert [m["role"] for m in prompt.messages] == ["user", "assistant", "user"]
+    assert prompt.text == "c"
+    task = vfenv.load_tasks(parse_verifiers_spec("verifiers:vf_messages"))[0]
+    trace = vfenv.one_turn_trace(task, "d")
+    assert [(n.message.role, n.sampled) for n in trace.nodes] == [
+        ("user", False),
+        ("assistant", False),
+        ("user", False),
+        ("assistant", True),
+    ]
+    assert trace.last_reply == "d" and trace.num_turns == 1
 
 
 def test_an_infinite_taskset_with_a_limit_and_a_failing_rubric(packages):

@@ -183,10 +183,17 @@ def _gym_prompts(spec: gym.GymSpec, entries: list[dict]) -> list[Prompt]:
     return [Prompt(i, spec.prompt_text(e), str(e["answer"])) for i, e in enumerate(entries)]
 
 
-def _vf_prompts(spec: vfenv.VerifiersSpec, flag: str = "--prompt-data") -> list[Prompt]:
-    # the label is the task's key: the scorer finds the task (data, rubric) by it
+def _vf_prompts(spec: vfenv.VerifiersSpec, chat: bool, flag: str = "--prompt-data") -> list[Prompt]:
+    """The tasks' prompts: message lists for the chat template when `chat`, else folded text.
+    The label is the task's key: the scorer finds the task (data, rubric) by it."""
     tasks = vfenv.load_tasks(spec, flag)
-    return [Prompt(i, vfenv.prompt_text(t), t.key) for i, t in enumerate(tasks)]
+    if not chat:
+        return [Prompt(i, vfenv.prompt_text(t), t.key) for i, t in enumerate(tasks)]
+    prompts = []
+    for i, task in enumerate(tasks):
+        messages = vfenv.prompt_messages(task)
+        prompts.append(Prompt(i, messages[-1]["content"], task.key, messages))
+    return prompts
 
 
 def _vf_evals(cfg: DataConfig) -> list[tuple[str, vfenv.VerifiersSpec]]:
@@ -272,7 +279,7 @@ def load_train_prompts(cfg: DataConfig) -> list[Prompt]:
         spec, _, entries = _gym_train(cfg)
         return _gym_prompts(spec, entries)
     if vfenv.is_verifiers_spec(cfg.prompt_data):
-        return _vf_prompts(vfenv.parse_verifiers_spec(cfg.prompt_data))
+        return _vf_prompts(vfenv.parse_verifiers_spec(cfg.prompt_data), cfg.apply_chat_template)
     if cfg.prompt_data:
         return load_prompts(
             cfg.prompt_data, cfg.input_key, cfg.label_key, KEY_FLAGS, cfg.tool_key, cfg.metadata_key
@@ -292,7 +299,7 @@ def load_eval_sets(cfg: DataConfig) -> list[EvalSet]:
                 name,
                 _gym_prompts(gyms[name][0], gyms[name][2])
                 if name in gyms
-                else _vf_prompts(vfs[name], "--eval-prompt-data")
+                else _vf_prompts(vfs[name], cfg.apply_chat_template, "--eval-prompt-data")
                 if name in vfs
                 else load_prompts(
                     source, input_key, label_key, "--eval-input-key/--eval-label-key"

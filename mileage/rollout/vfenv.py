@@ -10,9 +10,10 @@ then `limit` are taken: all of a finite taskset by default); every other key is 
 taskset's config (values are read as JSON when they parse, else as strings) and is validated by
 the config's own pydantic model.
 
-What mileage runs of it: each task's prompt (its system prompt folded in front of the user
-prompt, as verifiers' harnesses without a separate system prompt do) is answered by the policy in
-one turn, and the task's `@vf.reward` functions (and config-plugged rewards) score a
+What mileage runs of it: each task's prompt is answered by the policy in one turn (with
+--apply-chat-template its messages, the system prompt first, go through the chat template; else
+the system prompt is folded in front of the user prompt, as verifiers folds it for harnesses
+without a separate system prompt), and the task's `@vf.reward` functions (and config-plugged rewards) score a
 `vf.Trace` holding that conversation; the reward is the trace's weighted sum, as in verifiers.
 That is verifiers' `null` harness on a task without tools. What does not fit, and is refused at
 start with the reason: a taskset that bundles its own `Env` or harness, tasks with tool servers
@@ -205,27 +206,44 @@ def _required_params(fn) -> set[str]:
     }
 
 
+def _checked_messages(task) -> list:
+    """The task's prompt as verifiers messages, its system prompt first (as a harness that emits
+    it separately sends them); text content only."""
+    vf = _verifiers()
+    data = task.data
+    if data.prompt is None:
+        raise UserError(f"task {data.idx} has no prompt (the user opens the conversation)")
+    if isinstance(data.prompt, str):
+        messages = [vf.UserMessage(content=data.prompt)]
+    else:
+        messages = list(data.prompt)
+    if data.system_prompt:
+        messages.insert(0, vf.SystemMessage(content=data.system_prompt))
+    if any(m.content is not None and not isinstance(m.content, str) for m in messages):
+        raise UserError(f"task {data.idx}: its prompt has image or multi-part content")
+    if not messages or messages[-1].role != "user":
+        raise UserError(f"task {data.idx}: its prompt does not end with a user message")
+    return messages
+
+
 def prompt_text(task) -> str:
     """The task's prompt as one text, the system prompt folded in front as verifiers folds it
     for a harness without a separate system prompt (`Harness.resolve_prompt`)."""
-    data = task.data
-    prompt = data.prompt
-    system = data.system_prompt
-    if prompt is None:
-        raise UserError(f"task {data.idx} has no prompt (the user opens the conversation)")
-    if not isinstance(prompt, str):
-        roles = [m.role for m in prompt]
-        if roles not in (["user"], ["system", "user"]) or any(
-            not isinstance(m.content, str) for m in prompt
-        ):
-            raise UserError(
-                f"task {data.idx}: its prompt is a message list ({', '.join(roles)}); only a text "
-                "prompt or one [system,] user text message is supported"
-            )
-        if roles[0] == "system":
-            system = "\n\n".join(s for s in (system, prompt[0].content) if s)
-        prompt = prompt[-1].content
-    return f"{system}\n\n{prompt}" if system else prompt
+    messages = _checked_messages(task)
+    roles = [m.role for m in messages]
+    if set(roles[:-1]) - {"system"}:
+        raise UserError(
+            f"task {task.data.idx}: its prompt is a conversation ({', '.join(roles)}); without "
+            "--apply-chat-template only [system,] user text prompts are taken"
+        )
+    return "\n\n".join(m.content for m in messages if m.content)
+
+
+def prompt_messages(task) -> list[dict[str, Any]]:
+    """The task's prompt as chat messages (OpenAI wire dicts) for the chat template."""
+    from verifiers.v1.dialects.chat import message_to_wire
+
+    return [message_to_wire(m) for m in _checked_messages(task)]
 
 
 @lru_cache(maxsize=8)
@@ -310,14 +328,7 @@ def one_turn_trace(task, response: str):
         task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
         agent=vf.AgentInfo(config=vf.AgentConfig()),
     )
-    data = task.data
-    if isinstance(data.prompt, str):
-        messages = [vf.UserMessage(content=data.prompt)]
-    else:
-        messages = list(data.prompt or [])
-    if data.system_prompt:
-        messages.insert(0, vf.SystemMessage(content=data.system_prompt))
-    messages.append(vf.AssistantMessage(content=response))
+    messages = [*_checked_messages(task), vf.AssistantMessage(content=response)]
     for i, message in enumerate(messages):
         trace.nodes.append(
             MessageNode(
