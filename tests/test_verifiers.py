@@ -317,12 +317,15 @@ def test_without_verifiers_one_line_names_the_extra(monkeypatch):
 
 def test_training_on_a_taskset_resumes_exactly(tmp_path, cli, builtin_model, packages):
     """2 rollouts straight == 1 rollout, exit, resume 1, on the built-in model, rewarded by the
-    taskset's rubric; a bad environment id exits 2 with one line."""
+    taskset's rubric and evaluated on a held-out slice of it (skip=32); a bad environment id
+    exits 2 with one line."""
     env = {"PYTHONPATH": os.pathsep.join([str(packages), os.environ.get("PYTHONPATH", "")])}
     args = [
         "train",
         *builtin_train_args("--prompt-data", "verifiers:vf_addition?limit=32"),
         *("--num-rollout", "2", "--save-interval", "1", "--rollout-shuffle"),
+        *("--eval-prompt-data", "held", "verifiers:vf_addition?skip=32&limit=8"),
+        *("--eval-interval", "1"),
     ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     first = cli(*args, "--save", straight, "--load", straight, env=env)
@@ -335,6 +338,9 @@ def test_training_on_a_taskset_resumes_exactly(tmp_path, cli, builtin_model, pac
     assert rest.returncode == 0, rest.stderr
 
     records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    # the held-out set is scored by its tasks' rubric: "eval/held" is its mean reward
+    evals = {r["rollout_id"]: r["eval/held"] for r in records if "eval/held" in r}
+    assert len(evals) >= 2 and all(0 <= v <= 1.5 for v in evals.values()), records
     records = [r for r in records if r.get("rollout_id", 0) >= 0]
     # the rubric's weighted sum: 1.5 correct and short, 0.5 short, 0 otherwise; the built-in
     # model gets some sums right, so the rewards vary within groups and both rollouts train
@@ -351,6 +357,7 @@ def test_training_on_a_taskset_resumes_exactly(tmp_path, cli, builtin_model, pac
     resumed_records = [
         json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()
     ]
+    assert {r["rollout_id"]: r["eval/held"] for r in resumed_records if "eval/held" in r} == evals
     resumed_records = [r for r in resumed_records if r.get("rollout_id", 0) >= 0]
     assert [r["prompt_indices"] for r in resumed_records] == [r["prompt_indices"] for r in records]
     assert [r["reward_mean"] for r in resumed_records] == [r["reward_mean"] for r in records]
