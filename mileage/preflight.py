@@ -27,6 +27,7 @@ from mileage.rollout.rewards import RewardFn, build_reward_fn
 from mileage.rollout.rollout import PromptEncoder
 from mileage.rollout.sizes import check_rollout_sizes
 from mileage.rollout.tasks import builtin_alphabet
+from mileage.rollout.vfenv import check_one_turn
 from mileage.run_config import RunConfig
 from mileage.tracking import check_tracking
 
@@ -98,6 +99,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     buffer_path = cfg.dynamic.buffer_filter_path
     buffer_filter = load_function(buffer_path, "--buffer-filter-path") if buffer_path else None
     user_functions = load_user_functions(cfg.multiturn)
+    check_one_turn(reward_fn, user_functions.generate is not None)
     check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)
     if cfg.checkpoint.hf_checkpoint:

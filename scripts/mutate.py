@@ -1233,6 +1233,14 @@ MUTANTS = [
         "    if False:",
         (f"{VF}::test_what_does_not_fit_is_refused_in_one_line",),
     ),
+    Mutant(
+        "vf-multi-turn-scored-as-one-reply",
+        "a verifiers rubric is accepted as the reward of a multi-turn tool loop",
+        "mileage/rollout/vfenv.py",
+        "if generates_turns and isinstance(reward_fn, VerifiersScorer):",
+        "if False:",
+        (f"{VF}::test_training_on_a_taskset_resumes_exactly",),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)

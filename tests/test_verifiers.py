@@ -366,3 +366,10 @@ def test_training_on_a_taskset_resumes_exactly(tmp_path, cli, builtin_model, pac
     assert bad.returncode == 2, bad.stderr
     assert bad.stderr.strip().count("\n") == 0 and "unknown verifiers environment" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "x").exists()
+    tools = "tests/multiturn_tools.py:tool"
+    multi = cli(
+        *(*args, "--generate-execute-tool-function-path", tools, "--save", tmp_path / "y"),
+        env=env,
+    )
+    assert multi.returncode == 2 and multi.stderr.strip().count("\n") == 0, multi.stderr
+    assert "rubric scores one-turn answers" in multi.stderr and not (tmp_path / "y").exists()

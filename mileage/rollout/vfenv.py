@@ -319,6 +319,18 @@ class VerifiersScorer:
         return float(trace.reward)
 
 
+def check_one_turn(reward_fn: object, generates_turns: bool) -> None:
+    """A verifiers rubric scores a one-turn answer (`trace.last_reply`): a multi-turn generate
+    function's response (model turns and tool outputs decoded as one text) would be scored as
+    one reply, so the combination is refused rather than scored wrongly."""
+    if generates_turns and isinstance(reward_fn, VerifiersScorer):
+        raise UserError(
+            "a verifiers task's rubric scores one-turn answers; with --custom-generate-function-"
+            "path or --generate-execute-tool-function-path give the reward with --custom-rm-path "
+            "(docs/verifiers.md)"
+        )
+
+
 def one_turn_trace(task, response: str):
     """A finished `vf.Trace` of `task`: its prompt messages, then `response` as the model's turn."""
     vf = _verifiers()
