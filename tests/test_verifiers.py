@@ -131,6 +131,22 @@ class BrokenTask(Task):
 T.task_cls = BrokenTask
 __all__ = ["T"]
 """,
+    "vf_slow": """
+import asyncio
+
+class SlowTask(Task):
+    @vf.reward
+    async def slow(self, trace) -> float:
+        await asyncio.sleep(30)
+        return 1.0
+
+class SlowTaskset(T):
+    def load(self):
+        timeout = vf.TaskTimeout(scoring=0.2)
+        yield SlowTask(vf.TaskData(prompt="12+34=", timeout=timeout), self.config.task)
+
+__all__ = ["SlowTaskset"]
+""",
 }
 REFUSED_BASE = """
 import verifiers.v1 as vf
@@ -296,7 +312,7 @@ def test_with_the_chat_template_the_prompt_is_the_tasks_messages(packages):
     assert trace.last_reply == "d" and trace.num_turns == 1
 
 
-def test_an_infinite_taskset_with_a_limit_and_a_failing_rubric(packages):
+def test_an_infinite_taskset_with_a_limit_a_failing_and_a_hanging_rubric(packages):
     assert len(load_train_prompts(DataConfig(prompt_data="verifiers:vf_infinite?limit=2"))) == 2
     cfg = DataConfig(prompt_data="verifiers:vf_broken")
     prompt = load_train_prompts(cfg)[0]
@@ -304,6 +320,10 @@ def test_an_infinite_taskset_with_a_limit_and_a_failing_rubric(packages):
         UserError, match="rubric of task 0 \\(BrokenTask\\) failed: .*ValueError: rubric exploded"
     ):
         task_reward(cfg)(prompt.text, "1", prompt.label)
+    slow = DataConfig(prompt_data="verifiers:vf_slow")
+    prompt = load_train_prompts(slow)[0]
+    with pytest.raises(UserError, match="rubric of task 0 \\(SlowTask\\) ran past its scoring"):
+        task_reward(slow)(prompt.text, "1", prompt.label)
 
 
 def test_without_verifiers_one_line_names_the_extra(monkeypatch):

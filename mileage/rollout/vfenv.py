@@ -309,8 +309,15 @@ class VerifiersScorer:
                 "--rm-type to grade other prompt data"
             )
         trace = one_turn_trace(task, response)
+        limit = task.data.timeout.scoring  # the task's own scoring deadline (None: no limit)
         try:
-            await task.score(trace)
+            async with asyncio.timeout(limit):
+                await task.score(trace)
+        except TimeoutError:
+            raise UserError(
+                f"the verifiers rubric of task {task.data.idx} ({type(task).__name__}) ran past "
+                f"its scoring timeout of {limit:g} s"
+            ) from None
         except Exception as exc:  # noqa: BLE001 - the rubric is the environment's code
             raise UserError(
                 f"the verifiers rubric of task {task.data.idx} ({type(task).__name__}) failed: "
