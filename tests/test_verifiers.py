@@ -118,6 +118,13 @@ T.prompt = [vf.UserMessage(content="a"), vf.AssistantMessage(content="b"),
             vf.UserMessage(content="c")]
 __all__ = ["T"]
 """,
+    "vf_image": """
+class ImageTaskset(T):
+    def load(self):
+        yield Task(vf.TaskData(prompt="12+34=", image="python:3.11"), self.config.task)
+
+__all__ = ["ImageTaskset"]
+""",
     "vf_infinite": """
 T.INFINITE = True
 __all__ = ["T"]
@@ -273,6 +280,7 @@ def test_the_trace_the_rubric_sees(packages):
         ("verifiers:vf_tools", "offers tools through MCP tool servers"),
         ("verifiers:vf_sandbox_reward", "no reward that scores without a sandbox runtime"),
         ("verifiers:vf_setup", "overrides setup()"),
+        ("verifiers:vf_image", "task 0 runs in a container image"),
         ("verifiers:vf_messages", "conversation \\(user, assistant, user\\); without --apply-chat"),
         ("verifiers:vf_infinite", "the taskset is infinite; give limit=N"),
     ],

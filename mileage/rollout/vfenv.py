@@ -132,7 +132,9 @@ def _load_taskset(spec: VerifiersSpec, flag: str):
             f"{module!r} (install the environment's package first)"
         ) from None
     except (TypeError, ValueError, AttributeError) as exc:
-        raise UserError(f"{flag}: {spec.taskset!r} is not a verifiers taskset: {exc}") from None
+        raise UserError(
+            f"{flag}: {spec.taskset!r} is not a verifiers taskset: {_one_line(exc)}"
+        ) from None
     try:
         config = config_type.model_validate(spec.config_data())
     except ValidationError as exc:
@@ -169,7 +171,7 @@ def _check_task(vf, task, flag: str, spec: VerifiersSpec) -> None:
     """Refuse a task that mileage could not play or score the way verifiers would."""
     task_cls = type(task)
     name = task_cls.__name__
-    if task_cls.NEEDS_CONTAINER or task.data.image:
+    if task_cls.NEEDS_CONTAINER:
         raise UserError(f"{flag} {spec}: task {name} runs in a container; not supported")
     if task_cls.toolsets(task.config):
         raise UserError(
@@ -183,12 +185,12 @@ def _check_task(vf, task, flag: str, spec: VerifiersSpec) -> None:
                 f"{flag} {spec}: task {name} overrides {hook}(), which prepares a sandbox "
                 "runtime; mileage scores without one"
             )
-    offline = [fn for fn in task.hooks("reward") if "runtime" not in _required_params(fn)]
     if task.config.judges:
         raise UserError(
             f"{flag} {spec}: task {name} plugs judges (a model called over the network to score); "
             "mileage scores offline and deterministically, so they are not supported"
         )
+    offline = [fn for fn in task.hooks("reward") if "runtime" not in _required_params(fn)]
     if not offline:
         raise UserError(
             f"{flag} {spec}: task {name} has no reward that scores without a sandbox runtime "
@@ -268,8 +270,15 @@ def load_tasks(spec: VerifiersSpec, flag: str = "--prompt-data") -> tuple[Any, .
     if not tasks:
         raise UserError(f"{flag} {spec}: no tasks (skip={spec.skip} passes them all)")
     seen: set[str] = set()
+    checked: set[tuple[type, int]] = set()
     for task in tasks:
-        _check_task(vf, task, flag, spec)
+        if task.data.image:
+            raise UserError(f"{flag} {spec}: task {task.data.idx} runs in a container image")
+        # what is checked depends on the task's class and config, which tasks usually share
+        kind = (type(task), id(task.config))
+        if kind not in checked:
+            _check_task(vf, task, flag, spec)
+            checked.add(kind)
         if task.key in seen:
             raise UserError(
                 f"{flag} {spec}: two tasks share the key {task.key[:12]}...; verifiers requires "
