@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_learned
+
 from mileage.testing.compare import LEFTOVER_DIFF, TENSOR_DIFF, compare_runs
 from mileage.testing.crash import launch, outcome_table, run_uninterrupted, run_with_kills
 from mileage.testing.kills import Kill
