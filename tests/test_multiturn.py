@@ -292,3 +292,43 @@ def test_tool_specs_must_be_json(tmp_path):
     bad.write_text('{"name": "search"}')
     with pytest.raises(UserError, match="JSON list"):
         load_user_functions(config.multiturn)
+
+
+def test_rewards_of_the_whole_sample_and_of_a_group(tmp_path):
+    """--custom-rm-path as fn(sample), fn(config, sample) and (--group-rm) fn(config, samples),
+    in training and in evaluation."""
+    from mileage.rollout.data import EvalSet
+    from mileage.rollout.evaluation import sample_answers
+    from mileage.rollout.rewards import load_custom_reward, score_samples
+
+    rm = tmp_path / "rm.py"
+    rm.write_text(
+        "def of_sample(sample):\n    return float(len(sample.response_ids))\n"
+        "async def with_config(config, sample):\n    return float(sample.turns)\n"
+        "def of_group(config, samples):\n"
+        "    return [float(i) for i, _ in enumerate(samples)]\n"
+    )
+    config = make_config()
+    agent, tok, encode = build_agent(config, reward=load_custom_reward(f"{rm}:of_sample"))
+    try:
+        samples = generate_samples(
+            ScriptedEngine(tok), encode, PROMPTS[:2], PARAMS, 2, agent.reward_fn, 1, 0, agent
+        )
+        assert [s.reward for s in samples] == [float(len(s.response_ids)) for s in samples]
+        turns = score_samples(load_custom_reward(f"{rm}:with_config"), samples, config, 2)
+        assert turns == [2.0, 2.0, 1.0, 1.0]
+        group = load_custom_reward(f"{rm}:of_group", group_rm=True)
+        assert score_samples(group, samples, config, 2, group_rm=True) == [0.0, 1.0, 0.0, 1.0]
+        evaluated = sample_answers(
+            ScriptedEngine(tok),
+            encode,
+            EvalSet("e", PROMPTS[1:2]),
+            PARAMS,
+            2,
+            agent.reward_fn,
+            None,
+            agent.score,
+        )
+        assert [s.reward for s in evaluated] == [2.0, 2.0]  # "4" and EOS
+    finally:
+        agent.close()
