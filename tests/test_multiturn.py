@@ -332,3 +332,44 @@ def test_rewards_of_the_whole_sample_and_of_a_group(tmp_path):
         assert [s.reward for s in evaluated] == [2.0, 2.0]  # "4" and EOS
     finally:
         agent.close()
+
+
+# a chat template in the char tokenizer's alphabet: u/a/t open user/assistant/tool messages,
+# an assistant message ends with EOS and then "==" (as Qwen's ends with <|im_end|> and "\n")
+TEMPLATE = (
+    "{%- if tools -%}{{ tools | length }}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}u{{ m.content }}{{ eos_token }}"
+    "{%- elif m.role == 'assistant' -%}a{{ m.content }}{{ eos_token }}=="
+    "{%- elif m.role == 'tool' -%}t{{ m.content }}{{ eos_token }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}a{%- endif -%}"
+)
+
+
+def test_chat_prompts_tools_and_tool_messages_go_through_the_template():
+    from mileage.rollout.multiturn import template_tool_ids
+    from mileage.rollout.tool_parsers import ParsedCall
+
+    tok = build_char_tokenizer(builtin_alphabet())
+    tok.chat_template = TEMPLATE
+    encode = PromptEncoder(tok, False)
+    eos = tok.eos_token_id
+    messages = [{"role": "user", "content": "12"}]
+    chat = Prompt(0, "12", "x", messages=messages)
+    # a message list always goes through the template, with the tool specs as tools=
+    assert encode.prompt_ids(chat) == ids(tok, "u12") + [eos] + ids(tok, "a")
+    tools = [{"type": "function", "function": {"name": "rev"}}] * 2
+    assert encode.prompt_ids(chat, tools) == ids(tok, "2u12") + [eos] + ids(tok, "a")
+    assert encode.prompt_ids(Prompt(1, "12", "x")) == tok("12")["input_ids"]  # plain text
+    # the model's turn ends at EOS; what the template writes after it ("==") comes first
+    turn = ids(tok, "13") + [eos]
+    calls = [ParsedCall("rev", {"x": "13"}), ParsedCall("rev", {"x": "4"})]
+    got = template_tool_ids(tok, ["31", "4"], calls, turn)
+    assert got == ids(tok, "==t31") + [eos] + ids(tok, "t4") + [eos] + ids(tok, "a")
+    # a template that rewrites the conversation before the tool messages is refused
+    tok.chat_template = TEMPLATE.replace(
+        "{%- for m in messages -%}", "{%- for m in messages[-1:] -%}"
+    )
+    with pytest.raises(UserError, match="append-only"):
+        template_tool_ids(tok, ["31"], calls[:1], turn)
