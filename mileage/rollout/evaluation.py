@@ -19,6 +19,7 @@ evaluates exactly as the uninterrupted one did, and never the numbers training s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mileage.config import option
@@ -136,21 +137,28 @@ def sample_answers(
     n_samples: int,
     reward_fn: RewardFn,
     seed: SamplingSeed | None,
+    score: Callable[[list[Sample], int], None] | None = None,
 ) -> list[Sample]:
-    """`n_samples` scored answers per prompt of `eval_set`, those of one prompt contiguous."""
+    """`n_samples` scored answers per prompt of `eval_set`, those of one prompt contiguous;
+    `score(samples, n)` sets their rewards when given (a reward of the whole sample, --group-rm),
+    else `reward_fn(prompt, response, label)`."""
     expanded = [p for p in eval_set.prompts for _ in range(n_samples)]
     completions = engine.generate(
         [encode(p.text) for p in expanded], params, seed, group_size=n_samples
     )
     decode = encode.tokenizer.decode
     texts = [decode(c.response_ids, skip_special_tokens=True) for c in completions]
-    rewards = score_all(
-        reward_fn, [(p.text, t, p.label) for p, t in zip(expanded, texts, strict=True)]
-    )
-    return [
-        Sample(p, c.prompt_ids, c.response_ids, c.logprobs, t, r, c.finished, c.weight_version)
-        for p, c, t, r in zip(expanded, completions, texts, rewards, strict=True)
+    samples = [
+        Sample(p, c.prompt_ids, c.response_ids, c.logprobs, t, 0.0, c.finished, c.weight_version)
+        for p, c, t in zip(expanded, completions, texts, strict=True)
     ]
+    if score is not None:
+        score(samples, n_samples)
+        return samples
+    rewards = score_all(reward_fn, [(s.prompt.text, s.response, s.prompt.label) for s in samples])
+    for sample, reward in zip(samples, rewards, strict=True):
+        sample.reward = reward
+    return samples
 
 
 def evaluate(
@@ -162,6 +170,7 @@ def evaluate(
     reward_fn: RewardFn,
     seed: int,
     rollout_id: int,
+    score: Callable[[list[Sample], int], None] | None = None,
 ) -> dict[str, float]:
     """The evaluation metrics of the current weights, as record keys (see the module doc)."""
     params = cfg.sampling(rollout)
@@ -170,7 +179,9 @@ def evaluate(
     for eval_set in eval_sets:
         # greedy decoding draws nothing: no seed, so a remote engine may batch it freely
         sampling_seed = None if params.greedy else eval_seed(seed, rollout_id, eval_set.name)
-        samples = sample_answers(engine, encode, eval_set, params, n, reward_fn, sampling_seed)
+        samples = sample_answers(
+            engine, encode, eval_set, params, n, reward_fn, sampling_seed, score
+        )
         rewards = [s.reward for s in samples]
         key = f"eval/{eval_set.name}"
         metrics[key] = sum(rewards) / len(rewards)
