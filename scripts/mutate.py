@@ -184,8 +184,8 @@ MUTANTS = [
         "replay-inverts-rewards",
         "replayed samples get inverted rewards and zero behaviour log-probs",
         "mileage/rollout/rollout.py",
-        'samples = [Sample(**{**r, "prompt": Prompt(**r["prompt"])}) for r in records]',
-        'samples = [Sample(**{**r, "prompt": Prompt(**r["prompt"]), "reward": 1.0 - r["reward"], '
+        "samples = [Sample.from_record(r) for r in records]",
+        'samples = [Sample.from_record({**r, "reward": 1.0 - r["reward"], '
         '"logprobs": [0.0] * len(r["logprobs"])}) for r in records]',
         (REPLAY,),
     ),
