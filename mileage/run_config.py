@@ -243,11 +243,16 @@ class RunConfig:
                 "use a critic-free estimator (grpo, gspo, reinforce_plus_plus) with LoRA"
             )
         self.dynamic.validate()
+        if self.dynamic.partial_rollout and r.load_debug_rollout_data:
+            raise UserError(
+                "--partial-rollout generates across rounds and rollouts; it cannot replay "
+                "--load-debug-rollout-data (replay a run without --partial-rollout)"
+            )
         self.shaping.validate(r.rollout_max_response_len)
         if self.dynamic.enabled and env.world_size() > 1:
             raise UserError(
-                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size) "
-                "is not supported under torchrun yet; run it as one process"
+                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size, "
+                "--partial-rollout) is not supported under torchrun yet; run it as one process"
             )
         self.precision.requested()
 
