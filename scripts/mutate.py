@@ -1055,7 +1055,7 @@ MUTANTS = [
         "    if run.buffer is not None:\n"
         '        trainer["data"]["offset"] = max(0, trainer["data"]["offset"] - '
         "len(run.buffer.groups) - len(run.buffer.partial))\n",
-        (DYNAMIC_ACCOUNT, PARTIAL_ACCOUNT),
+        (PARTIAL_ACCOUNT,),
     ),
     Mutant(
         "partial-versions-not-carried",
