@@ -249,11 +249,6 @@ class RunConfig:
                 "--load-debug-rollout-data (replay a run without --partial-rollout)"
             )
         self.shaping.validate(r.rollout_max_response_len)
-        if self.dynamic.enabled and env.world_size() > 1:
-            raise UserError(
-                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size, "
-                "--partial-rollout) is not supported under torchrun yet; run it as one process"
-            )
         self.precision.requested()
 
     def num_rollout(self, num_prompts: int) -> int:

@@ -2,8 +2,9 @@
 where, prompt + partial answer as the next input, per-token weight versions carried over), the
 off-policy mask against a hand-built reference, the buffer's JSON round trip, bad flags, and
 end to end on the built-in model with dynamic sampling: kills between sampling rounds, while the
-buffer is written and at commit points resume to the uninterrupted run's tensors, and every
-prompt of every epoch is drawn once and is trained, dropped or left in the saved buffer."""
+buffer is written and at commit points resume to the uninterrupted run's tensors (in one process
+and, killed while saving, under torchrun at N=2), and every prompt of every epoch is drawn once and is trained, dropped
+or left in the saved buffer."""
 
 from __future__ import annotations
 
@@ -324,4 +325,32 @@ def test_kills_between_rounds_and_at_commits_resume_to_the_uninterrupted_partial
         assert not outcome.problems, f"{outcome.kill.label}: {outcome.problems}\n{table}"
     assert sum(o.status == "killed" for o in outcomes) >= 5, table
     # the same tensors and metrics: the same prompts drawn, aborted, continued and trained
+    assert compare_runs(reference, save) == [], table
+
+
+@pytest.mark.slow
+def test_under_torchrun_kills_resume_to_the_uninterrupted_n2_run(
+    partial_reference, builtin_model, tmp_path
+):
+    """Every rank samples its share of each round and gathers all of it, so every rank judges the
+    same groups and holds the same buffer; rank 0 saves it. Rank 0 killed after writing the
+    second checkpoint's buffer: the rerun restores the first checkpoint's buffer on both ranks
+    and ends on the uninterrupted N=2 run (the one-process chain above kills between rounds)."""
+    from conftest import REPO, assert_learned
+
+    prompt_file = partial_reference[0]
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    args = partial_args(prompt_file, "--num-rollout", "3")
+    reference = tmp_path / "reference"
+    run_uninterrupted(args, reference, nproc=2, env=env, timeout=300)
+    assert_learned(reference, builtin_model)
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("partial_rollout/groups_aborted", 0) for r in records) > 0
+    kills = [Kill.at("save_after_state", 2, rank=0)]
+    save = tmp_path / "run"
+    outcomes = run_with_kills(args, save, kills, max_reruns=2, nproc=2, env=env, timeout=300)
+    table = outcome_table(outcomes)
+    for outcome in outcomes:
+        assert not outcome.problems, f"{outcome.kill.label}: {outcome.problems}\n{table}"
+    assert [o.status for o in outcomes] == ["killed"] * len(kills), table
     assert compare_runs(reference, save) == [], table
