@@ -2,9 +2,9 @@
 where, prompt + partial answer as the next input, per-token weight versions carried over), the
 off-policy mask against a hand-built reference, the buffer's JSON round trip, bad flags, and
 end to end on the built-in model with dynamic sampling: kills between sampling rounds, while the
-buffer is written and at commit points resume to the uninterrupted run's tensors (in one process
-and, killed while saving, under torchrun at N=2), and every prompt of every epoch is drawn once and is trained, dropped
-or left in the saved buffer."""
+buffer is written and at commit points resume to the uninterrupted run's tensors (in one process,
+and killed while saving under torchrun at N=2), and every prompt of every epoch is drawn once and
+is trained, dropped or left in the saved buffer."""
 
 from __future__ import annotations
 
