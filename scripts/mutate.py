@@ -1062,7 +1062,7 @@ MUTANTS = [
         "a continued answer's tokens are all relabelled with the newest weight version",
         "mileage/rollout/partial.py",
         "            sample.weight_versions = (sample.weight_versions or []) + [c.weight_version] * len(\n"
-        "                tokens\n"
+        "                c.response_ids\n"
         "            )\n",
         "            sample.weight_versions = [c.weight_version] * len(sample.response_ids)\n",
         (PARTIAL_ROUNDS, PARTIAL_ACCOUNT),
@@ -1079,8 +1079,8 @@ MUTANTS = [
         "partial-restarts-from-prompt",
         "a continued sample is generated from its prompt alone, not prompt + partial answer",
         "mileage/rollout/partial.py",
-        "        inputs = [s.prompt_ids + s.response_ids for s in rows]\n",
-        "        inputs = [s.prompt_ids for s in rows]\n",
+        "            inputs = [rows[i].prompt_ids + rows[i].response_ids for i in picked]\n",
+        "            inputs = [rows[i].prompt_ids for i in picked]\n",
         (PARTIAL_ROUNDS,),
     ),
     Mutant(

@@ -59,10 +59,11 @@ class ScriptedEngine:
 
     def __init__(self) -> None:
         self.weight_version = 0
-        self.calls: list[tuple[list[list[int]], int, int]] = []
+        self.calls: list[tuple[list[list[int]], int, int, str]] = []
 
     def generate(self, prompts, params, seed=None, group_size=1) -> list[Completion]:
-        self.calls.append(([list(p) for p in prompts], params.max_new_tokens, seed.rollout_id))
+        call = ([list(p) for p in prompts], params.max_new_tokens, seed.rollout_id, seed.purpose)
+        self.calls.append(call)
         out = []
         for ids in prompts:
             answer, done = ANSWERS[ids[0] - 100], ids[1:]
@@ -134,11 +135,12 @@ def test_unfinished_groups_are_aborted_at_the_batch_and_continue_with_newer_weig
     # the finished leftover first; round 3 continues 1 (its last token: the length limit)
     assert [g.prompt.index for g in out.groups] == [3, 1]
     assert out.stats["partial_rollout/groups_resumed"] == 1
-    inputs, max_new, slot = engine.calls[2]
-    assert slot == 2 and max_new == 2
-    assert inputs == [[101, 21, 22, 23, 24]] * 2 + [[104]] * 2 + [[105]] * 2
+    # the round's new prompts take the full budget; the answer one token short of MAX_LEN is
+    # asked for one token only, in a call of its own seeded apart
+    assert engine.calls[2] == ([[104]] * 2 + [[105]] * 2, 2, 2, "rollout")
+    assert engine.calls[3] == ([[101, 21, 22, 23, 24]] * 2, 1, 2, "rollout/partial-tail-1")
+    assert [c[3] for c in engine.calls[:2]] == ["rollout", "rollout"]
     resumed = out.groups[1].samples[0]
-    # one token within its budget (MAX_LEN), though the call returned two
     assert resumed.response_ids == [21, 22, 23, 24, 25]
     assert resumed.weight_versions == [0, 0, 0, 0, 3]
     assert resumed.logprobs == [-0.25] * 4 + [-1.0]

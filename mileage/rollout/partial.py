@@ -2,8 +2,9 @@
 being generated when a rollout has its batch continues in the next rollout with newer weights.
 
 The abort point is a token budget, never a clock. Every sampling round gives each unfinished
-sample at most `--partial-rollout-round-tokens` new tokens (less when its answer reaches
-`--rollout-max-response-len`), in one engine call seeded by the round's slot. A group is judged
+sample at most `--partial-rollout-round-tokens` new tokens, in one engine call seeded by the
+round's slot (rows that reach `--rollout-max-response-len` sooner get a call of their own with
+their smaller budget, seeded apart). A group is judged
 (scored, filtered, kept or dropped) in the round in which its last sample finishes; groups with
 an unfinished sample stay in flight at the front of `RolloutBuffer.partial`, oldest first. A
 round first continues up to `--over-sampling-batch-size` in-flight groups and then draws new
@@ -38,7 +39,7 @@ from mileage.rollout.dynamic import (
     round_stats,
     take_buffered,
 )
-from mileage.rollout.engines.base import Engine, SamplingParams, SamplingSeed
+from mileage.rollout.engines.base import Completion, Engine, SamplingParams, SamplingSeed
 from mileage.rollout.rewards import RewardFn, score_all
 from mileage.rollout.rollout import PromptEncoder, Sample, inadmissible
 
@@ -80,11 +81,40 @@ class RoundGenerator:
         groups = carried + fresh
         rows = [s for g in groups for s in g.samples if not is_complete(s, max_len)]
         caps = [min(self.round_tokens, max_len - len(s.response_ids)) for s in rows]
-        params = replace(self.params, max_new_tokens=max(caps))
-        # greedy decoding draws nothing: no seed, as in generate_samples
-        seed = None if params.greedy else SamplingSeed(self.seed, slot)
-        inputs = [s.prompt_ids + s.response_ids for s in rows]
-        completions = self.engine.generate(inputs, params, seed, group_size=self.n_samples)
+        completions = self.generate(rows, caps, slot, rollout_id)
+        for sample, c in zip(rows, completions, strict=True):
+            sample.response_ids += c.response_ids
+            sample.logprobs += c.logprobs
+            # each token keeps the version that wrote it
+            sample.weight_versions = (sample.weight_versions or []) + [c.weight_version] * len(
+                c.response_ids
+            )
+            sample.weight_version = c.weight_version
+            sample.finished = c.finished
+        self.score([g for g in groups if group_complete(g, max_len)])
+        return groups
+
+    def generate(
+        self, rows: list[Sample], caps: list[int], slot: int, rollout_id: int
+    ) -> list[Completion]:
+        """Each row continued by at most its cap of new tokens. Rows near the length limit have
+        a smaller cap than the round's budget; they go in a call of their own (a request never
+        asks for more than the answer may still hold, so prompt + answer stays within the
+        context the run was checked against), seeded apart from the round's main call."""
+        by_cap: dict[int, list[int]] = {}
+        for row, cap in enumerate(caps):
+            by_cap.setdefault(cap, []).append(row)
+        completions: list[Completion | None] = [None] * len(rows)
+        for n, cap in enumerate(sorted(by_cap, reverse=True)):
+            params = replace(self.params, max_new_tokens=cap)
+            purpose = "rollout" if n == 0 else f"rollout/partial-tail-{cap}"
+            # greedy decoding draws nothing: no seed, as in generate_samples
+            seed = None if params.greedy else SamplingSeed(self.seed, slot, purpose)
+            picked = by_cap[cap]
+            inputs = [rows[i].prompt_ids + rows[i].response_ids for i in picked]
+            out = self.engine.generate(inputs, params, seed, group_size=self.n_samples)
+            for i, c in zip(picked, out, strict=True):
+                completions[i] = c
         refused = inadmissible(
             [c.weight_version for c in completions], self.engine.weight_version, 0
         )
@@ -93,19 +123,7 @@ class RoundGenerator:
                 f"rollout {rollout_id}: the engine returned samples of weight version {refused}, "
                 f"expected {self.engine.weight_version}; refusing to train on off-policy data"
             )
-        for sample, cap, c in zip(rows, caps, completions, strict=True):
-            # one call serves rows with different budgets: a row's tokens past its own budget
-            # are dropped (it is sampled as it would be alone up to there: rows draw per step)
-            tokens = c.response_ids[:cap]
-            sample.response_ids += tokens
-            sample.logprobs += c.logprobs[:cap]
-            sample.weight_versions = (sample.weight_versions or []) + [c.weight_version] * len(
-                tokens
-            )
-            sample.weight_version = c.weight_version
-            sample.finished = c.finished and len(c.response_ids) <= cap
-        self.score([g for g in groups if group_complete(g, max_len)])
-        return groups
+        return completions
 
     def new_group(self, prompt: Prompt, slot: int, rollout_id: int) -> Group:
         ids = list(self.encode(prompt.text))
