@@ -21,9 +21,10 @@ from mileage.progress import RunProgress
 from mileage.rollout.agent import tool_metrics
 from mileage.rollout.dynamic import sample_dynamic
 from mileage.rollout.evaluation import evaluate, rollout_passrate, summary
+from mileage.rollout.partial import RoundGenerator, offpolicy_tokens, sample_partial
 from mileage.rollout.rollout import generate_samples, load_samples, save_samples
 from mileage.rollout.shaping import shape_rewards
-from mileage.training.batch import mask_truncated, pack_samples
+from mileage.training.batch import mask_offpolicy, mask_truncated, pack_samples
 from mileage.training.mismatch import apply_mismatch
 
 
@@ -124,20 +125,56 @@ def draw_rollout(run: Run, rollout_id: int) -> tuple[list, list, dict]:
         fault_point("rollout_start")
         return prompts, rollout_samples(run, rollout_id, prompts), {}
     fault_point("rollout_start")
-    sampled = sample_dynamic(
+    if run.cfg.dynamic.partial_rollout:
+        sampled = partial_rollout(run, rollout_id)
+    else:
+        sampled = sample_dynamic(
+            run.buffer,
+            run.data.next_batch,
+            lambda prompts, slot: rollout_samples(run, slot, prompts),  # seeded by the round's slot
+            run.group_filter,
+            run.cfg,
+            run.buffer_filter,
+            run.cfg.dynamic,
+            rc.rollout_batch_size,
+            rc.n_samples_per_prompt,
+            rollout_id,
+        )
+    samples = [s for g in sampled.groups for s in g.samples]
+    return [g.prompt for g in sampled.groups], samples, sampled.stats
+
+
+def partial_rollout(run: Run, rollout_id: int):
+    """One rollout of --partial-rollout: rounds of a token budget per sample, seeded by slot."""
+    rc, dynamic = run.cfg.rollout, run.cfg.dynamic
+    generator = RoundGenerator(
+        run.engine,
+        run.encode,
+        run.sampling,
+        dynamic.round_tokens(rc.rollout_max_response_len),
+        rc.n_samples_per_prompt,
+        run.reward_fn,
+        run.cfg.loop.seed,
+    )
+
+    def advance(carried, prompts, slot):
+        groups = generator(carried, prompts, slot, rollout_id)
+        if rc.save_debug_rollout_data and env.is_main():  # the round's samples as they stand
+            save_samples(rc.save_debug_rollout_data, slot, [s for g in groups for s in g.samples])
+        return groups
+
+    return sample_partial(
         run.buffer,
         run.data.next_batch,
-        lambda prompts, slot: rollout_samples(run, slot, prompts),  # seeded by the round's slot
+        advance,
         run.group_filter,
         run.cfg,
         run.buffer_filter,
-        run.cfg.dynamic,
+        dynamic,
         rc.rollout_batch_size,
-        rc.n_samples_per_prompt,
+        rc.rollout_max_response_len,
         rollout_id,
     )
-    samples = [s for g in sampled.groups for s in g.samples]
-    return [g.prompt for g in sampled.groups], samples, sampled.stats
 
 
 def sync_engine(run: Run) -> None:
@@ -190,6 +227,13 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
                 sampling["overlong_reward_mean"] = float(batch.rewards.mean())
             if cfg.shaping.mask_truncated_completions:
                 sampling["truncated_masked"] = mask_truncated(batch, samples)
+            if cfg.dynamic.partial_rollout:  # tokens of older weights: continued partial answers
+                version = run.actor.step
+                sampling["partial_rollout/offpolicy_tokens"] = offpolicy_tokens(samples, version)
+                if cfg.dynamic.mask_offpolicy_in_partial_rollout:
+                    sampling["partial_rollout/offpolicy_masked"] = mask_offpolicy(
+                        batch, samples, version
+                    )
             mismatch = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
             stats = {**run.actor.train_rollout(batch), **mismatch, **sampling}
             trained = time.perf_counter()

@@ -259,12 +259,20 @@ class RunConfig:
                 "use a critic-free estimator (grpo, gspo, reinforce_plus_plus) with LoRA"
             )
         self.dynamic.validate()
-        self.shaping.validate(r.rollout_max_response_len)
-        if self.dynamic.enabled and env.world_size() > 1:
+        if self.dynamic.partial_rollout and (
+            self.multiturn.multi_turn or self.multiturn.rollout_function_path
+        ):
             raise UserError(
-                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size) "
-                "is not supported under torchrun yet; run it as one process"
+                "--partial-rollout continues single answers across rounds; it does not continue "
+                "multi-turn trajectories (tools, --custom-generate-function-path, "
+                "--rollout-function-path) yet: turn one of them off"
             )
+        if self.dynamic.partial_rollout and r.load_debug_rollout_data:
+            raise UserError(
+                "--partial-rollout generates across rounds and rollouts; it cannot replay "
+                "--load-debug-rollout-data (replay a run without --partial-rollout)"
+            )
+        self.shaping.validate(r.rollout_max_response_len)
         self.precision.requested()
 
     def num_rollout(self, num_prompts: int) -> int:

@@ -89,7 +89,18 @@ DYNAMIC_ACCOUNT = (
     f"{DYNAMIC}::test_no_trained_group_has_equal_rewards_and_every_drawn_prompt_is_accounted"
 )
 DYNAMIC_CRASH = (
-    f"{DYNAMIC}::test_kills_between_rounds_and_at_commits_resume_to_the_uninterrupted_run"
+    f"{DYNAMIC}::test_kills_between_rounds_and_in_the_save_resume_to_the_uninterrupted_run"
+)
+PARTIAL = "tests/test_partial_rollout.py"
+PARTIAL_ROUNDS = (
+    f"{PARTIAL}::test_unfinished_groups_are_aborted_at_the_batch_and_continue_with_newer_weights"
+)
+PARTIAL_MASK = f"{PARTIAL}::test_offpolicy_mask_keeps_only_the_current_versions_tokens"
+PARTIAL_ACCOUNT = (
+    f"{PARTIAL}::test_partial_rollout_trains_continued_answers_and_accounts_for_every_prompt"
+)
+PARTIAL_CRASH = (
+    f"{PARTIAL}::test_kills_between_rounds_and_at_commits_resume_to_the_uninterrupted_partial_run"
 )
 
 VF = "tests/test_verifiers.py"
@@ -1038,12 +1049,60 @@ MUTANTS = [
         (DYNAMIC_ROUNDS, DYNAMIC_ACCOUNT),
     ),
     Mutant(
+        "data-position-skips-buffered",
+        "the saved data position does not count the prompts of buffered groups (finished or in "
+        "flight): a resume draws them again and an epoch no longer has each prompt once",
+        "mileage/components.py",
+        '    trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), '
+        '"rng": rng_plain}\n',
+        '    trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), '
+        '"rng": rng_plain}\n'
+        "    if run.buffer is not None:\n"
+        '        trainer["data"]["offset"] = max(0, trainer["data"]["offset"] - '
+        "len(run.buffer.groups) - len(run.buffer.partial))\n",
+        (PARTIAL_ACCOUNT,),
+    ),
+    Mutant(
+        "partial-versions-not-carried",
+        "a continued answer's tokens are all relabelled with the newest weight version",
+        "mileage/rollout/partial.py",
+        "            sample.weight_versions = (sample.weight_versions or []) + [c.weight_version] * len(\n"
+        "                c.response_ids\n"
+        "            )\n",
+        "            sample.weight_versions = [c.weight_version] * len(sample.response_ids)\n",
+        (PARTIAL_ROUNDS, PARTIAL_ACCOUNT),
+    ),
+    Mutant(
+        "partial-offpolicy-not-masked",
+        "--mask-offpolicy-in-partial-rollout counts the older versions' tokens but trains on them",
+        "mileage/training/batch.py",
+        "                batch.loss_mask[row, first + i] = 0.0\n",
+        "                pass\n",
+        (PARTIAL_MASK,),
+    ),
+    Mutant(
+        "partial-restarts-from-prompt",
+        "a continued sample is generated from its prompt alone, not prompt + partial answer",
+        "mileage/rollout/partial.py",
+        "            inputs = [rows[i].prompt_ids + rows[i].response_ids for i in picked]\n",
+        "            inputs = [rows[i].prompt_ids for i in picked]\n",
+        (PARTIAL_ROUNDS,),
+    ),
+    Mutant(
+        "partial-aborted-not-saved",
+        "checkpoints leave out the groups in flight (aborted answers are lost on resume)",
+        "mileage/rollout/buffer.py",
+        '            state["partial"] = [_group_state(g) for g in self.partial]\n',
+        "            pass\n",
+        (PARTIAL_ROUNDS, PARTIAL_CRASH),
+    ),
+    Mutant(
         "dynamic-leftover-not-saved",
         "checkpoints of dynamic sampling leave out the buffer of leftover kept groups",
         "mileage/components.py",
         "        trainer[STATE_KEY] = run.buffer.state_dict()\n",
         "        pass\n",
-        (DYNAMIC_CRASH,),
+        (DYNAMIC_CRASH, PARTIAL_CRASH),
     ),
     Mutant(
         "dynamic-leftover-not-restored",
@@ -1051,7 +1110,7 @@ MUTANTS = [
         "mileage/components.py",
         "            run.buffer.load_state_dict(trainer[STATE_KEY])\n",
         "            pass\n",
-        (DYNAMIC_CRASH,),
+        (DYNAMIC_CRASH, PARTIAL_CRASH),
     ),
     Mutant(
         "dynamic-rounds-share-a-seed",

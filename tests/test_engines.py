@@ -151,6 +151,23 @@ def test_two_rollouts_on_two_servers_learn_and_the_servers_follow_the_weights(
         assert served["tokens"] != start[0] or max(moved) > 1e-3, (served, start)
 
 
+def test_partial_rollout_continues_answers_on_the_servers(servers, builtin_model, tmp_path):
+    """--partial-rollout through `mileage serve`: an unfinished answer goes back to a server as
+    input ids (prompt + partial answer) once the servers hold newer weights. With the older
+    tokens masked, the mismatch covers only the tokens each server just wrote, which the
+    trainer's recompute of the whole sequence reproduces to float rounding; a continuation from
+    the wrong prefix would not."""
+    save = tmp_path / "partial"
+    flags = ["--partial-rollout", "--partial-rollout-round-tokens", "1"]
+    flags += ["--over-sampling-batch-size", "10", "--mask-offpolicy-in-partial-rollout"]
+    run_uninterrupted(train_args(servers.urls, 3, *flags), save)
+    assert_learned(save, builtin_model)
+    records = read_metrics(save)
+    assert sum(r["partial_rollout/groups_resumed"] for r in records) > 0, records
+    assert sum(r["partial_rollout/offpolicy_masked"] for r in records) > 0, records
+    assert all(0 <= r["logprob_abs_diff"] < MISMATCH_TOLERANCE for r in records), records
+
+
 def test_one_server_draws_the_samples_of_two(reference, servers, builtin_model, tmp_path):
     one = tmp_path / "one"
     run_uninterrupted(train_args(servers.urls[1:], 2), one)

@@ -48,8 +48,9 @@ def train_command(cfg: RunConfig, asynchronous: bool = False) -> int:
             )
         if cfg.dynamic.enabled:
             raise UserError(
-                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size) "
-                "runs in `mileage train` only; train-async does not support it yet"
+                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size, "
+                "--partial-rollout) runs in `mileage train` only; train-async does not support "
+                "it yet"
             )
     with env.session():
         return _train(cfg, asynchronous)

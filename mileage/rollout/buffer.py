@@ -42,6 +42,10 @@ class RolloutBuffer:
         self.next_slot = 0  # the next slot to submit
         self.retry: list[Prompt] = []  # prompts of stale groups to generate again, in order
         self.dropped = 0  # groups dropped or sent back as stale, over the whole run
+        # --partial-rollout: groups still being generated when their rollout had its batch
+        # (aborted), oldest first; their samples keep their tokens and per-token weight versions
+        # and continue from there in a later sampling round
+        self.partial: deque[Group] = deque()
 
     def put(self, slot: int, policy_rollouts: int, samples: list[Sample], n: int) -> None:
         """A finished slot: its samples, `n` consecutive per prompt."""
@@ -73,32 +77,38 @@ class RolloutBuffer:
         return owed
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "next_slot": self.next_slot,
             "dropped": self.dropped,
             "retry": [asdict(p) for p in self.retry],
-            "groups": [
-                {
-                    "slot": g.slot,
-                    "policy_rollouts": g.policy_rollouts,
-                    "samples": [asdict(s) for s in g.samples],
-                }
-                for g in self.groups
-            ],
+            "groups": [_group_state(g) for g in self.groups],
         }
+        if self.partial:  # only then: checkpoints without partial rollout keep their bytes
+            state["partial"] = [_group_state(g) for g in self.partial]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.next_slot = int(state["next_slot"])
         self.dropped = int(state["dropped"])
         self.retry = [Prompt(**p) for p in state["retry"]]
-        self.groups = deque(
-            Group(
-                g["slot"],
-                g["policy_rollouts"],
-                [Sample.from_record(s) for s in g["samples"]],
-            )
-            for g in state["groups"]
-        )
+        self.groups = deque(_load_group(g) for g in state["groups"])
+        self.partial = deque(_load_group(g) for g in state.get("partial", []))
+
+
+def _group_state(group: Group) -> dict:
+    return {
+        "slot": group.slot,
+        "policy_rollouts": group.policy_rollouts,
+        "samples": [s.to_record() for s in group.samples],
+    }
+
+
+def _load_group(state: dict) -> Group:
+    return Group(
+        state["slot"],
+        state["policy_rollouts"],
+        [Sample.from_record(s) for s in state["samples"]],
+    )
 
 
 def describe_saved(checkpoint: str | Path, trainer_state: str) -> str | None:
@@ -123,4 +133,7 @@ def describe_saved(checkpoint: str | Path, trainer_state: str) -> str | None:
         else "no pre-generated rollouts"
     )
     retry = f", {len(state['retry'])} prompts to generate again" if state["retry"] else ""
+    partial = state.get("partial", [])
+    if partial:
+        retry += f", {len(partial)} partially generated groups to continue"
     return f"  reuses {what}{retry}; next generation slot {state['next_slot']}"

@@ -60,10 +60,20 @@ class DynamicSamplingConfig:
         "groups, removing them from buffer (miles' meaning; default: the first n)",
     )
     partial_rollout: bool = option(
-        False, "continue unfinished samples in a later rollout (not implemented yet: refused)"
+        False,
+        "generate in sampling rounds of --partial-rollout-round-tokens new tokens per sample; "
+        "groups still unfinished when the rollout has its batch wait in the rollout buffer and "
+        "continue from their partial answers in the next rollout (newer weights)",
+    )
+    partial_rollout_round_tokens: int | None = option(
+        None,
+        "with --partial-rollout: new tokens each unfinished sample generates per sampling round, "
+        "the deterministic abort point (default: half of --rollout-max-response-len, rounded up)",
     )
     mask_offpolicy_in_partial_rollout: bool = option(
-        False, "with --partial-rollout: train only on tokens of the current weights (refused)"
+        False,
+        "with --partial-rollout: train only on the tokens of the current weight version (tokens "
+        "of older weights stay in the sequence but leave the loss and its denominator)",
     )
 
     @property
@@ -71,22 +81,32 @@ class DynamicSamplingConfig:
         return (
             self.dynamic_sampling_filter_path is not None
             or self.over_sampling_batch_size is not None
+            or self.partial_rollout
         )
 
     def round_size(self, rollout_batch_size: int) -> int:
         return self.over_sampling_batch_size or rollout_batch_size
 
+    def round_tokens(self, max_response_len: int) -> int:
+        """--partial-rollout's token budget per sample and round."""
+        return self.partial_rollout_round_tokens or -(-max_response_len // 2)
+
     def validate(self) -> None:
-        if self.partial_rollout or self.mask_offpolicy_in_partial_rollout:
-            raise UserError(
-                "--partial-rollout / --mask-offpolicy-in-partial-rollout are not implemented yet"
-            )
+        if not self.partial_rollout:
+            for name in ("mask_offpolicy_in_partial_rollout", "partial_rollout_round_tokens"):
+                if getattr(self, name):
+                    raise UserError(f"--{name.replace('_', '-')} needs --partial-rollout")
         if self.buffer_filter_path and not self.enabled:
             raise UserError(
                 "--buffer-filter-path selects from dynamic sampling's buffer; give "
-                "--dynamic-sampling-filter-path or --over-sampling-batch-size with it"
+                "--dynamic-sampling-filter-path, --over-sampling-batch-size or --partial-rollout "
+                "with it"
             )
-        for name in ("over_sampling_batch_size", "dynamic_sampling_max_rounds"):
+        for name in (
+            "over_sampling_batch_size",
+            "dynamic_sampling_max_rounds",
+            "partial_rollout_round_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -193,13 +213,7 @@ def sample_dynamic(
     rounds = 0
     while len(groups) < batch_size:
         if rounds == cfg.dynamic_sampling_max_rounds:
-            reasons = ", ".join(f"{r} {c}" for r, c in sorted(dropped.items()))
-            raise UserError(
-                f"rollout {rollout_id}: dynamic sampling kept {len(groups)} of {batch_size} "
-                f"groups after {rounds} rounds ({len(drawn)} prompts drawn, "
-                f"{sum(dropped.values())} groups dropped: {reasons or 'none'}); raise "
-                "--dynamic-sampling-max-rounds or --over-sampling-batch-size, or filter less"
-            )
+            raise round_cap_error(rollout_id, len(groups), batch_size, rounds, len(drawn), dropped)
         prompts = draw(cfg.round_size(batch_size))
         slot = buffer.next_slot
         buffer.next_slot += 1
@@ -216,11 +230,39 @@ def sample_dynamic(
             else:  # accepted in submission order: what the batch has no room for waits
                 buffer.groups.append(group)
         fault_point("after_sampling_round")
-    stats = {
+    kept = len(drawn) - sum(dropped.values())
+    stats = round_stats(rounds, drawn, from_buffer, kept, dropped, buffer, groups)
+    return Sampled(groups, drawn, stats)
+
+
+def round_cap_error(
+    rollout_id: int, kept: int, batch_size: int, rounds: int, drawn: int, dropped: Counter[str]
+) -> UserError:
+    """The one line a run stops with when a rollout's rounds never fill its batch."""
+    reasons = ", ".join(f"{r} {c}" for r, c in sorted(dropped.items()))
+    return UserError(
+        f"rollout {rollout_id}: dynamic sampling kept {kept} of {batch_size} "
+        f"groups after {rounds} rounds ({drawn} prompts drawn, "
+        f"{sum(dropped.values())} groups dropped: {reasons or 'none'}); raise "
+        "--dynamic-sampling-max-rounds or --over-sampling-batch-size, or filter less"
+    )
+
+
+def round_stats(
+    rounds: int,
+    drawn: list[Prompt],
+    from_buffer: int,
+    kept: int,
+    dropped: Counter[str],
+    buffer: RolloutBuffer,
+    groups: list[Group],
+) -> dict:
+    """A rollout's dynamic_filter/* metrics, the prompts it drew and its groups' slots."""
+    return {
         "dynamic_filter/rounds": rounds,
         "dynamic_filter/groups_drawn": len(drawn),
         "dynamic_filter/groups_from_buffer": from_buffer,
-        "dynamic_filter/groups_kept": len(drawn) - sum(dropped.values()),
+        "dynamic_filter/groups_kept": kept,
         "dynamic_filter/groups_dropped": sum(dropped.values()),
         "dynamic_filter/groups_buffered": len(buffer.groups),
         **{f"dynamic_filter/drop_{r}": c for r, c in sorted(dropped.items())},
@@ -228,4 +270,3 @@ def sample_dynamic(
         # the sampling round (slot) each trained group came from, beside "prompt_indices"
         "group_slots": [g.slot for g in groups],
     }
-    return Sampled(groups, drawn, stats)
