@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 
 from mileage.checkpoint.plan import RESUME
 from mileage.checkpoint.store import TRAINER_STATE, CheckpointState, read_json
 from mileage.checkpoint.tensors import load_old_actor_tensors
 from mileage.components import Run, checkpoint_state
+from mileage.distributed.background import BackgroundGeneration
 from mileage.distributed.coordination import preemption_guard
 from mileage.errors import UserError
 from mileage.faults import fault_point
@@ -52,8 +53,9 @@ class Producer:
     def __init__(self, run: Run, buffer: RolloutBuffer, workers: int):
         self.run = run
         self.buffer = buffer
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mileage-gen")
-        self.pending: deque[tuple[int, int, Future]] = deque()  # (slot, policy, result)
+        # threads where the engine is driven (under torchrun: rank 0, results broadcast)
+        self.background = BackgroundGeneration(run.engine, workers)
+        self.pending: deque[tuple[int, int, Future | None]] = deque()  # (slot, policy, result)
 
     def submit(self, policy_rollouts: int) -> None:
         """The next slot, generated with the engine's current weights (`policy_rollouts`)."""
@@ -63,14 +65,14 @@ class Producer:
         slot = self.buffer.next_slot
         self.buffer.next_slot += 1
         self.pending.append(
-            (slot, policy_rollouts, self.pool.submit(self._generate, slot, prompts))
+            (slot, policy_rollouts, self.background.submit(self._generate, slot, prompts))
         )
 
-    def _generate(self, slot: int, prompts) -> list:
+    def _generate(self, engine, slot: int, prompts) -> list:
         fault_point("async_generating")  # in the thread, while the trainer trains
         rc = self.run.cfg.rollout
         return generate_samples(
-            self.run.engine,
+            engine,
             self.run.encode,
             prompts,
             self.run.sampling,
@@ -87,7 +89,7 @@ class Producer:
 
     def collect_oldest(self) -> None:
         slot, policy, future = self.pending.popleft()
-        samples = future.result()
+        samples = self.background.result(future)
         rc = self.run.cfg.rollout
         if rc.save_debug_rollout_data:
             save_samples(rc.save_debug_rollout_data, slot, samples)
@@ -99,7 +101,7 @@ class Producer:
             self.collect_oldest()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.background.close()
 
 
 def restored_buffer(run: Run) -> RolloutBuffer:
@@ -312,11 +314,17 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
 def check_async_run(run_cfg, world_size: int) -> None:
     """What train-async refuses before anything is built (one line each, exit 2)."""
     rc = run_cfg.rollout
-    if world_size > 1:
+    if world_size > 1 and not run_cfg.engine.remote:
         raise UserError(
-            "train-async does not run under torchrun yet; run it as one process "
-            "(`mileage train-async ...`), or train synchronously under torchrun with "
+            "train-async under torchrun generates on remote engines only (--rollout-engine "
+            "sglang with --rollout-url, e.g. `mileage serve`); run it as one process for the "
+            "in-process engine, or train synchronously under torchrun with "
             "`torchrun ... -m mileage train ...`"
+        )
+    if world_size > 1 and run_cfg.asynchronous.keep_old_actor:
+        raise UserError(
+            "--keep-old-actor keeps whole weight copies and is not available under torchrun "
+            "yet; use the default decoupled correction there"
         )
     if rc.load_debug_rollout_data:
         raise UserError(

@@ -75,6 +75,7 @@ ASYNC_ORDER = f"{ASYNC_CRASH}::test_one_step_off_trains_every_prompt_once_in_dat
 ASYNC_S0 = f"{ASYNC_CRASH}::test_staleness_zero_is_train_tensor_for_tensor"
 KEEP_UNIT = "tests/test_async.py::test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it"
 KEEP_CRASH = f"{ASYNC_CRASH}::test_keep_old_actor_kills_resume_to_the_uninterrupted_run"
+ASYNC_N2 = "tests/test_distributed_remote.py::test_n2_train_async_equals_one_process_and_resumes_bit_for_bit"
 LORA = "tests/test_lora.py"
 LORA_CHAIN = f"{LORA}::test_kills_at_commit_points_resume_to_the_uninterrupted_tensors"
 LORA_N1 = f"{LORA}::test_a_relaunched_lora_run_resumes_at_the_next_rollout"
@@ -975,6 +976,14 @@ MUTANTS = [
         "                    old_actor.prune(versions_needed(producer, engine_policy))\n",
         "                    old_actor.prune({engine_policy})\n",
         (KEEP_CRASH,),
+    ),
+    Mutant(
+        "async-torchrun-samples-not-shared",
+        "under torchrun the other ranks wait on a generation they never started (no broadcast)",
+        "mileage/distributed/background.py",
+        "        self.shared = remote and env.is_distributed()",
+        "        self.shared = False",
+        (ASYNC_N2,),
     ),
     Mutant(
         "lora-optimizer-state-not-saved",

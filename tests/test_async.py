@@ -184,12 +184,26 @@ def test_the_driver_clips_against_the_proximal_policy_and_weights_by_proximal_ov
     assert 0.0 < stats["behav_imp_weight_capped_frac"] < 1.0  # the -9.0 token exceeds the cap
 
 
-def test_train_async_under_torchrun_is_refused_naming_what_works(cli, tmp_path):
+def test_train_async_under_torchrun_with_the_local_engine_is_refused_naming_what_works(
+    cli, tmp_path
+):
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     done = cli("train-async", "--num-rollout", "1", "--save", tmp_path / "s", env=env)
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
-    assert "train-async does not run under torchrun yet" in line and "-m mileage train" in line
+    assert "train-async under torchrun generates on remote engines only" in line
+    assert "-m mileage train" in line
+    remote = [
+        "--rollout-engine",
+        "sglang",
+        "--rollout-url",
+        "http://127.0.0.1:9",
+        "--keep-old-actor",
+    ]
+    done = cli("train-async", "--num-rollout", "1", "--save", tmp_path / "s", *remote, env=env)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "--keep-old-actor keeps whole weight copies and is not available under torchrun" in line
 
 
 def test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it(tiny_hf):
