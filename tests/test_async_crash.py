@@ -127,11 +127,17 @@ def test_one_step_off_trains_every_prompt_once_in_data_order(one_step_reference,
     assert trained_prompts(save) == trained_prompts(crash_reference[0])
 
 
-def test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run(one_step_reference, tmp_path):
+def test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run(
+    one_step_reference, cli, tmp_path
+):
     reference, _ = one_step_reference
     save = tmp_path / "run"
     first = launch([*ONE_STEP_ARGS, "--debug-exit-after-rollout", "2"], save, subcommand=ASYNC)
     assert first.returncode == 0, first.tail()
+    # `mileage plan` says beforehand what the resume will take from the buffer
+    plan = cli("plan", *ONE_STEP_ARGS, "--save", save, "--load", save)
+    assert plan.returncode == 0, plan.stderr
+    assert "reuses 1 pre-generated rollout (32 samples, weight version 2)" in plan.stdout
     rerun = launch(ONE_STEP_ARGS, save, subcommand=ASYNC)
     assert rerun.returncode == 0, rerun.tail()
     # iter_1 holds slot 2, generated during rollout 1 with the weights of rollout 0's update
@@ -230,7 +236,7 @@ def test_concurrent_generation_trains_the_same_as_one_slot_at_a_time(builtin_mod
 
 
 def test_keep_old_actor_kills_resume_to_the_uninterrupted_run(
-    one_step_reference, builtin_model, tmp_path
+    one_step_reference, builtin_model, cli, tmp_path
 ):
     reference = tmp_path / "reference"
     run_uninterrupted(KEEP_ARGS, reference, subcommand=ASYNC)
@@ -244,6 +250,10 @@ def test_keep_old_actor_kills_resume_to_the_uninterrupted_run(
     for kept, proximal in zip(records[1:], decoupled[1:4], strict=True):
         assert kept["logprob_abs_diff"] < 1e-5 < proximal["logprob_abs_diff"]
     assert (reference / "iter_0000002" / "old_actor.safetensors").is_file()
+    plan = cli("plan", *KEEP_ARGS, "--save", reference, "--load", reference, "--ckpt-step", "1")
+    assert plan.returncode == 0, plan.stderr
+    assert "reuses 1 pre-generated rollout" in plan.stdout
+    assert "kept old-actor weights after 1 trained rollout(s)" in plan.stdout
     save = tmp_path / "run"
     outcomes = run_with_kills(KEEP_ARGS, save, KEEP_CHAIN, subcommand=ASYNC)
     assert_recovered(outcomes, compare_runs(reference, save))
