@@ -58,17 +58,30 @@ class AsyncConfig:
         "retry (its prompt is generated again, before new data)",
         choices=("drop", "retry"),
     )
-    off_policy_correction: str = option(
-        "decoupled",
+    off_policy_correction: str | None = option(
+        None,
         "how the loss corrects for samples of older weights (generation ran ahead): decoupled "
-        "(AReaL's decoupled PPO), tis (truncated importance sampling) or none",
+        "(AReaL's decoupled PPO, the default), tis (truncated importance sampling) or none",
         choices=CORRECTIONS,
+    )
+    keep_old_actor: bool = option(
+        False,
+        "keep the rollout model on the training process (miles): the trainer keeps the weights "
+        "each untrained sample was generated with and recomputes the PPO ratio's denominator "
+        "with them; the off-policy correction instead of --off-policy-correction",
     )
     behav_imp_weight_cap: float | None = option(
         5.0,
         "decoupled: tokens whose importance weight proximal/behaviour exceeds this are left out "
         "of the loss (AReaL's behav_imp_weight_cap)",
     )
+
+    @property
+    def correction(self) -> str:
+        """The off-policy correction in force: keep-old-actor, decoupled (default), tis, none."""
+        if self.keep_old_actor:
+            return "keep-old-actor"
+        return self.off_policy_correction or "decoupled"
 
     def lead(self, rollout_batch_size: int) -> int:
         """How many rollouts generation runs ahead of training (L in the module docstring)."""
@@ -124,9 +137,14 @@ class AsyncConfig:
             raise UserError(
                 f"--behav-imp-weight-cap must be above 1, got {self.behav_imp_weight_cap}"
             )
-        if self.corrects(rollout_batch_size) and self.off_policy_correction == "none":
+        if self.keep_old_actor and self.off_policy_correction is not None:
+            raise UserError(
+                "--keep-old-actor is itself the off-policy correction (PPO's ratio against the "
+                "kept weights that generated each sample); leave out --off-policy-correction"
+            )
+        if self.corrects(rollout_batch_size) and self.correction == "none":
             raise UserError(
                 "--off-policy-correction none with samples from older weights (staleness above "
-                "0): choose decoupled or tis, or --fully-async --max-weight-staleness 0 with "
+                "0): choose decoupled or tis (or --keep-old-actor), or --fully-async --max-weight-staleness 0 with "
                 "--update-weights-interval 1 for on-policy training"
             )

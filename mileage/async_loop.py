@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 
 from mileage.checkpoint.plan import RESUME
 from mileage.checkpoint.store import TRAINER_STATE, CheckpointState, read_json
+from mileage.checkpoint.tensors import load_old_actor_tensors
 from mileage.components import Run, checkpoint_state
+from mileage.distributed.background import BackgroundGeneration
 from mileage.distributed.coordination import preemption_guard
 from mileage.errors import UserError
 from mileage.faults import fault_point
@@ -42,6 +44,7 @@ from mileage.rollout.rollout import generate_samples, save_samples
 from mileage.training.batch import TrainBatch, pack_samples
 from mileage.training.mismatch import apply_mismatch, trainer_logprobs
 from mileage.training.offpolicy import decoupled_weights
+from mileage.training.old_actor import OldActor
 
 
 class Producer:
@@ -50,8 +53,9 @@ class Producer:
     def __init__(self, run: Run, buffer: RolloutBuffer, workers: int):
         self.run = run
         self.buffer = buffer
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mileage-gen")
-        self.pending: deque[tuple[int, int, Future]] = deque()  # (slot, policy, result)
+        # threads where the engine is driven (under torchrun: rank 0, results broadcast)
+        self.background = BackgroundGeneration(run.engine, workers)
+        self.pending: deque[tuple[int, int, Future | None]] = deque()  # (slot, policy, result)
 
     def submit(self, policy_rollouts: int) -> None:
         """The next slot, generated with the engine's current weights (`policy_rollouts`)."""
@@ -61,14 +65,14 @@ class Producer:
         slot = self.buffer.next_slot
         self.buffer.next_slot += 1
         self.pending.append(
-            (slot, policy_rollouts, self.pool.submit(self._generate, slot, prompts))
+            (slot, policy_rollouts, self.background.submit(self._generate, slot, prompts))
         )
 
-    def _generate(self, slot: int, prompts) -> list:
+    def _generate(self, engine, slot: int, prompts) -> list:
         fault_point("async_generating")  # in the thread, while the trainer trains
         rc = self.run.cfg.rollout
         return generate_samples(
-            self.run.engine,
+            engine,
             self.run.encode,
             prompts,
             self.run.sampling,
@@ -86,7 +90,7 @@ class Producer:
 
     def collect_oldest(self) -> None:
         slot, policy, future = self.pending.popleft()
-        samples = future.result()
+        samples = self.background.result(future)
         rc = self.run.cfg.rollout
         if rc.save_debug_rollout_data:
             save_samples(rc.save_debug_rollout_data, slot, samples)
@@ -98,7 +102,7 @@ class Producer:
             self.collect_oldest()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.background.close()
 
 
 def restored_buffer(run: Run) -> RolloutBuffer:
@@ -114,6 +118,41 @@ def restored_buffer(run: Run) -> RolloutBuffer:
     return buffer
 
 
+def restored_old_actor(run: Run, buffer: RolloutBuffer, engine_policy: int) -> OldActor | None:
+    """--keep-old-actor: the weights of every buffered group's version, from the checkpoint,
+    and the engine's current ones when they are the trainer's (just restored)."""
+    if not run.cfg.asynchronous.keep_old_actor:
+        return None
+    old_actor = OldActor()
+    plan = run.plan
+    if plan.action == RESUME and plan.load_data_state:
+        old_actor.load_state_tensors(load_old_actor_tensors(plan.weights_from))
+    if engine_policy == plan.start_rollout_id:
+        old_actor.keep(engine_policy, run.model)
+    missing = old_actor.missing(g.policy_rollouts for g in buffer.groups)
+    if missing:
+        raise UserError(
+            f"--keep-old-actor: the checkpoint {plan.weights_from} holds groups generated with "
+            f"weight version(s) {', '.join(map(str, missing))} but not those weights (it was "
+            "written without --keep-old-actor); resume with the flags that wrote it"
+        )
+    return old_actor
+
+
+def hand_weights(run: Run, old_actor: OldActor | None, version: int) -> None:
+    """Sync the engine to the trainer's weights (`version` trained rollouts), keeping a copy
+    of them on the trainer with --keep-old-actor."""
+    sync_engine(run)
+    if old_actor is not None:
+        old_actor.keep(version, run.model)
+
+
+def versions_needed(producer: Producer, engine_policy: int) -> set[int]:
+    """Weight versions that untrained groups, slots in flight or future slots come from."""
+    buffered = {g.policy_rollouts for g in producer.buffer.groups}
+    return buffered | {policy for _, policy, _ in producer.pending} | {engine_policy}
+
+
 def own_engine(run: Run) -> None:
     """The in-process engine generates in a thread, so it gets a copy of the weights."""
     engine = run.engine
@@ -121,10 +160,22 @@ def own_engine(run: Run) -> None:
         run.engine = DetachedLocalEngine(engine.model, engine.pad_id, engine.eos_id)
 
 
-def correct_off_policy(run: Run, batch: TrainBatch) -> dict:
-    """The proximal log-probs (the trainer's weights now) and the behaviour correction."""
+def correct_off_policy(
+    run: Run,
+    batch: TrainBatch,
+    old_actor: OldActor | None = None,
+    groups: list[Group] | None = None,
+    trained: int = 0,
+) -> dict:
+    """The proximal log-probs (the trainer's weights now) and the behaviour correction; with
+    --keep-old-actor, the old log-probs recomputed with the weights that generated each row
+    (`groups`' versions; `trained`: the trainer's own version), the mismatch flags as in train."""
     acfg, mismatch = run.cfg.asynchronous, run.cfg.mismatch
-    if acfg.off_policy_correction == "tis":
+    if acfg.keep_old_actor:
+        versions = [g.policy_rollouts for g in groups for _ in g.samples]
+        recomputed = old_actor.logprobs(run.actor, batch, versions, trained)
+        return apply_mismatch(mismatch, run.engine, run.actor, batch, recomputed=recomputed)
+    if acfg.correction == "tis":
         return apply_mismatch(replace(mismatch, use_tis=True), run.engine, run.actor, batch)
     behaviour = batch.old_logprobs
     proximal = trainer_logprobs(run.actor, batch)
@@ -147,7 +198,11 @@ def submit_due(producer: Producer, engine_policy: int, rollout_id: int) -> None:
 
 
 def take_groups(
-    run: Run, producer: Producer, engine_policy: int, rollout_id: int
+    run: Run,
+    producer: Producer,
+    engine_policy: int,
+    rollout_id: int,
+    old_actor: OldActor | None = None,
 ) -> tuple[list[Group], int, int]:
     """Rollout `rollout_id`'s groups in submission order, the stale ones passed over, and the
     engine's weights after (stale groups that leave the run short are made up for with the
@@ -170,7 +225,7 @@ def take_groups(
             producer.collect_oldest()
             continue
         if engine_policy != rollout_id:
-            sync_engine(run)
+            hand_weights(run, old_actor, rollout_id)
             engine_policy = rollout_id
         producer.submit(engine_policy)
 
@@ -198,6 +253,7 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
     producer = Producer(run, buffer, acfg.workers(cfg.rollout.samples_per_rollout))
     # the weights the engine holds, in trained rollouts, as the uninterrupted run has them
     engine_policy = acfg.engine_rollouts(plan.start_rollout_id)
+    old_actor = restored_old_actor(run, buffer, engine_policy)
     records: list[dict] = []
     stop_reason = None
 
@@ -205,6 +261,8 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
         """The checkpoint, with the rollout buffer in its trainer state (one atomic commit)."""
         saved = checkpoint_state(run, rollout_id)
         saved.trainer[STATE_KEY] = buffer.state_dict()
+        if old_actor is not None:  # the weights the buffered groups came from
+            saved.old_actor = old_actor.state_tensors(g.policy_rollouts for g in buffer.groups)
         return saved
 
     try:
@@ -215,15 +273,17 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
 
                 submit_due(producer, engine_policy, rollout_id)
                 fault_point("rollout_start")
-                groups, stale, engine_policy = take_groups(run, producer, engine_policy, rollout_id)
+                groups, stale, engine_policy = take_groups(
+                    run, producer, engine_policy, rollout_id, old_actor
+                )
                 samples = [s for g in groups for s in g.samples]
                 generated = time.perf_counter()
                 fault_point("after_generate")
 
                 progress.phase(rollout_id, "train")
                 batch = pack_samples(samples, run.tokenizer.pad_token_id).to(run.device)
-                if acfg.corrects(size):
-                    correction = correct_off_policy(run, batch)
+                if acfg.corrects(size) or acfg.keep_old_actor:
+                    correction = correct_off_policy(run, batch, old_actor, groups, rollout_id)
                 else:
                     correction = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
                 stats = {**run.actor.train_rollout(batch), **correction}
@@ -232,8 +292,10 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
                 last_rollout = rollout_id == plan.num_rollout - 1
                 if (rollout_id + 1) % acfg.update_weights_interval == 0 or last_rollout:
                     fault_point("before_weight_sync")
-                    sync_engine(run)
+                    hand_weights(run, old_actor, rollout_id + 1)
                     engine_policy = rollout_id + 1
+                if old_actor is not None:
+                    old_actor.prune(versions_needed(producer, engine_policy))
                 synced = time.perf_counter()
                 fault_point("after_train")
 
@@ -258,11 +320,17 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
 def check_async_run(run_cfg, world_size: int) -> None:
     """What train-async refuses before anything is built (one line each, exit 2)."""
     rc = run_cfg.rollout
-    if world_size > 1:
+    if world_size > 1 and not run_cfg.engine.remote:
         raise UserError(
-            "train-async does not run under torchrun yet; run it as one process "
-            "(`mileage train-async ...`), or train synchronously under torchrun with "
+            "train-async under torchrun generates on remote engines only (--rollout-engine "
+            "sglang with --rollout-url, e.g. `mileage serve`); run it as one process for the "
+            "in-process engine, or train synchronously under torchrun with "
             "`torchrun ... -m mileage train ...`"
+        )
+    if world_size > 1 and run_cfg.asynchronous.keep_old_actor:
+        raise UserError(
+            "--keep-old-actor keeps whole weight copies and is not available under torchrun "
+            "yet; use the default decoupled correction there"
         )
     if rc.load_debug_rollout_data:
         raise UserError(
@@ -271,11 +339,16 @@ def check_async_run(run_cfg, world_size: int) -> None:
         )
     acfg = run_cfg.asynchronous
     acfg.validate(rc.rollout_batch_size, rc.samples_per_rollout)
-    if acfg.corrects(rc.rollout_batch_size):
-        mc = run_cfg.mismatch
-        if mc.use_tis or mc.use_rollout_logprobs:
-            raise UserError(
-                "--use-tis / --use-rollout-logprobs choose the old policy of synchronous "
-                "training; with samples from older weights, --off-policy-correction does "
-                "(decoupled or tis)"
-            )
+    mc = run_cfg.mismatch
+    if acfg.keep_old_actor and mc.use_rollout_logprobs:
+        raise UserError(
+            "--use-rollout-logprobs takes the engine's log-probs as the PPO ratio's denominator, "
+            "which --keep-old-actor recomputes with the weights that generated them; choose one"
+        )
+    corrects = acfg.corrects(rc.rollout_batch_size) and not acfg.keep_old_actor
+    if corrects and (mc.use_tis or mc.use_rollout_logprobs):
+        raise UserError(
+            "--use-tis / --use-rollout-logprobs choose the old policy of synchronous "
+            "training; with samples from older weights, --off-policy-correction does "
+            "(decoupled or tis), or --keep-old-actor with them"
+        )

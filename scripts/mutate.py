@@ -74,6 +74,9 @@ ASYNC_CRASH = "tests/test_async_crash.py"
 ASYNC_RESUME = f"{ASYNC_CRASH}::test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run"
 ASYNC_ORDER = f"{ASYNC_CRASH}::test_one_step_off_trains_every_prompt_once_in_data_order"
 ASYNC_S0 = f"{ASYNC_CRASH}::test_staleness_zero_is_train_tensor_for_tensor"
+KEEP_UNIT = "tests/test_async.py::test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it"
+KEEP_CRASH = f"{ASYNC_CRASH}::test_keep_old_actor_kills_resume_to_the_uninterrupted_run"
+ASYNC_N2 = "tests/test_distributed_remote.py::test_n2_train_async_equals_one_process_and_resumes_bit_for_bit"
 LORA = "tests/test_lora.py"
 LORA_CHAIN = f"{LORA}::test_kills_at_commit_points_resume_to_the_uninterrupted_tensors"
 LORA_N1 = f"{LORA}::test_a_relaunched_lora_run_resumes_at_the_next_rollout"
@@ -957,6 +960,46 @@ MUTANTS = [
         "        own = copy.deepcopy(model).eval()\n",
         "        own = copy.deepcopy(model).requires_grad_(False).eval()\n",
         (ASYNC_S0,),
+    ),
+    Mutant(
+        "keep-old-actor-not-saved",
+        "--keep-old-actor checkpoints leave out the kept weights the buffered groups came from",
+        "mileage/async_loop.py",
+        "            saved.old_actor = old_actor.state_tensors(g.policy_rollouts for g in buffer.groups)\n",
+        "            pass\n",
+        (KEEP_CRASH,),
+    ),
+    Mutant(
+        "keep-old-actor-rows-under-current-weights",
+        "--keep-old-actor recomputes every row with the trainer's current weights",
+        "mileage/training/old_actor.py",
+        "            if version == current:\n",
+        "            if True:\n",
+        (KEEP_UNIT,),
+    ),
+    Mutant(
+        "keep-old-actor-kept-one-version-late",
+        "the weights synced after rollout N are kept under version N (overwriting the generating ones)",
+        "mileage/async_loop.py",
+        "                    hand_weights(run, old_actor, rollout_id + 1)\n",
+        "                    hand_weights(run, old_actor, rollout_id)\n",
+        (KEEP_CRASH,),
+    ),
+    Mutant(
+        "keep-old-actor-pruned-too-early",
+        "kept versions are pruned down to the engine's, dropping those buffered groups still need",
+        "mileage/async_loop.py",
+        "                    old_actor.prune(versions_needed(producer, engine_policy))\n",
+        "                    old_actor.prune({engine_policy})\n",
+        (KEEP_CRASH,),
+    ),
+    Mutant(
+        "async-torchrun-samples-not-shared",
+        "under torchrun the other ranks wait on a generation they never started (no broadcast)",
+        "mileage/distributed/background.py",
+        "        self.shared = remote and env.is_distributed()",
+        "        self.shared = False",
+        (ASYNC_N2,),
     ),
     Mutant(
         "lora-optimizer-state-not-saved",

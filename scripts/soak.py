@@ -314,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--note", default="", help="a line for the report (e.g. the commit)")
     options = parser.parse_args(argv)
     if options.train_async and options.nproc > 1:
-        parser.error("--train-async runs as one process (train-async refuses torchrun)")
+        parser.error(
+            "--train-async soaks the in-process engine, which train-async refuses under torchrun"
+        )
     command = shlex.join(["python", "scripts/soak.py", *(argv or sys.argv[1:])])
 
     started = time.monotonic()

@@ -130,6 +130,8 @@ BAD = [
     (["--load-debug-rollout-data", "/tmp/x{rollout_id}"], "--load-debug-rollout-data replays"),
     (["--fully-async", "--async-max-concurrent-samples", "5"], "must be a positive multiple"),
     (["--use-tis"], "--off-policy-correction does"),
+    (["--keep-old-actor", "--off-policy-correction", "tis"], "--keep-old-actor is itself"),
+    (["--keep-old-actor", "--use-rollout-logprobs"], "which --keep-old-actor recomputes"),
 ]
 
 
@@ -182,9 +184,87 @@ def test_the_driver_clips_against_the_proximal_policy_and_weights_by_proximal_ov
     assert 0.0 < stats["behav_imp_weight_capped_frac"] < 1.0  # the -9.0 token exceeds the cap
 
 
-def test_train_async_under_torchrun_is_refused_naming_what_works(cli, tmp_path):
+def test_train_async_under_torchrun_with_the_local_engine_is_refused_naming_what_works(
+    cli, tmp_path
+):
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     done = cli("train-async", "--num-rollout", "1", "--save", tmp_path / "s", env=env)
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
-    assert "train-async does not run under torchrun yet" in line and "-m mileage train" in line
+    assert "train-async under torchrun generates on remote engines only" in line
+    assert "-m mileage train" in line
+    remote = [
+        "--rollout-engine",
+        "sglang",
+        "--rollout-url",
+        "http://127.0.0.1:9",
+        "--keep-old-actor",
+    ]
+    done = cli("train-async", "--num-rollout", "1", "--save", tmp_path / "s", *remote, env=env)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "--keep-old-actor keeps whole weight copies and is not available under torchrun" in line
+
+
+def test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it(tiny_hf):
+    import copy
+    from types import SimpleNamespace
+
+    from mileage.async_loop import correct_off_policy
+    from mileage.models.hf import load_causal_lm
+    from mileage.rollout.buffer import Group
+    from mileage.training.algo import AlgoConfig
+    from mileage.training.batch import pack_samples
+    from mileage.training.mismatch import MismatchConfig
+    from mileage.training.old_actor import OldActor
+
+    model = load_causal_lm(tiny_hf)
+    old_actor = OldActor()
+    generators = []  # independent copies of each version, for the hand computation
+    torch.manual_seed(0)
+    for version in range(3):  # versions 0, 1: kept; 2: the trainer's weights now
+        if version:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+        generators.append(copy.deepcopy(model))
+        if version < 2:
+            old_actor.keep(version, model)
+    engine = [[-0.3, -1.2], [-2.0, -0.05], [-0.7, -0.4]]  # the engine's log-probs
+    samples = [
+        Sample(Prompt(i, "p", "1"), [1, 5, 6], [7, 8 + i], lp, "x", 1.0, True, i, [i, i])
+        for i, lp in enumerate(engine)
+    ]
+    batch = pack_samples(samples, pad_id=0)
+    actor = SimpleNamespace(algo=AlgoConfig(), model=model, temperature=1.0)
+    # by hand: row i under the weights of version i, fp32 log-softmax of the next token
+    expected = torch.zeros_like(batch.old_logprobs)
+    with torch.no_grad():
+        for row, weights in enumerate(generators):
+            logits = weights(input_ids=batch.input_ids[row : row + 1]).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, batch.targets[row : row + 1, :, None])
+            expected[row] = logp[0, :, 0] * batch.loss_mask[row]
+    got = old_actor.logprobs(actor, batch, [0, 1, 2], current=2)
+    assert torch.allclose(got, expected, atol=1e-5)
+    # each row really needs its own version: under the trainer's weights rows 0, 1 differ
+    now = old_actor.logprobs(actor, batch, [2, 2, 2], current=2)
+    assert (now - expected).abs()[:2].max() > 1e-3
+    # the checkpointed copy recomputes them bit for bit
+    restored = OldActor()
+    restored.load_state_tensors({k: v.clone() for k, v in old_actor.state_tensors([0, 1]).items()})
+    assert torch.equal(restored.logprobs(actor, batch, [0, 1, 2], current=2), got)
+    old_actor.prune({1, 2})
+    assert sorted(old_actor.versions) == [1] and old_actor.missing([0, 1]) == [0]
+
+    # the driver: PPO's old log-probs are those; --use-tis weighs by them over the engine's
+    groups = [Group(i, i, [s]) for i, s in enumerate(samples)]
+    acfg = AsyncConfig(keep_old_actor=True)
+    cfg = SimpleNamespace(asynchronous=acfg, mismatch=MismatchConfig(use_tis=True))
+    run = SimpleNamespace(cfg=cfg, actor=actor, engine=None)
+    stats = correct_off_policy(run, batch, restored, groups, trained=2)
+    assert torch.equal(batch.old_logprobs, got)
+    engine_lp = pack_samples(samples, 0).old_logprobs
+    tis = torch.exp(got - engine_lp).clamp(0.0, 2.0) * batch.loss_mask
+    assert torch.allclose(batch.tis_weights, tis, atol=1e-6)
+    diff = float(((got - engine_lp).abs() * batch.loss_mask).sum() / batch.loss_mask.sum())
+    assert stats["logprob_abs_diff"] == pytest.approx(diff)

@@ -57,6 +57,14 @@ ONE_STEP_CHAIN = [
     Kill.at("save_after_prune"),
 ]
 
+# --keep-old-actor: each checkpoint also holds the weights its buffered slot was generated with
+KEEP_ARGS = [*crash_run_args(num_rollout=4), "--keep-old-actor"]
+KEEP_CHAIN = [
+    Kill.at("commit_after_tracker"),  # iter_0 committed with slot 1 and version 0's weights
+    Kill.at("async_generating"),  # slot 2 generating while rollout 1 trains on the kept ones
+    Kill.at("save_after_state", 2),
+]
+
 FULLY_CHAIN = [
     Kill.at("async_generating", 2),
     Kill.at("commit_before_tracker", 2),
@@ -119,11 +127,17 @@ def test_one_step_off_trains_every_prompt_once_in_data_order(one_step_reference,
     assert trained_prompts(save) == trained_prompts(crash_reference[0])
 
 
-def test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run(one_step_reference, tmp_path):
+def test_one_step_off_stopped_and_rerun_equals_the_uninterrupted_run(
+    one_step_reference, cli, tmp_path
+):
     reference, _ = one_step_reference
     save = tmp_path / "run"
     first = launch([*ONE_STEP_ARGS, "--debug-exit-after-rollout", "2"], save, subcommand=ASYNC)
     assert first.returncode == 0, first.tail()
+    # `mileage plan` says beforehand what the resume will take from the buffer
+    plan = cli("plan", *ONE_STEP_ARGS, "--save", save, "--load", save)
+    assert plan.returncode == 0, plan.stderr
+    assert "reuses 1 pre-generated rollout (32 samples, weight version 2)" in plan.stdout
     rerun = launch(ONE_STEP_ARGS, save, subcommand=ASYNC)
     assert rerun.returncode == 0, rerun.tail()
     # iter_1 holds slot 2, generated during rollout 1 with the weights of rollout 0's update
@@ -219,3 +233,44 @@ def test_concurrent_generation_trains_the_same_as_one_slot_at_a_time(builtin_mod
     assert compare_runs(one, two) == []
     records = rollout_records(one)
     assert [r["staleness_max"] for r in records] == [0, 1, 2, 2]
+
+
+def test_keep_old_actor_kills_resume_to_the_uninterrupted_run(
+    one_step_reference, builtin_model, cli, tmp_path
+):
+    reference = tmp_path / "reference"
+    run_uninterrupted(KEEP_ARGS, reference, subcommand=ASYNC)
+    assert_learned(reference, builtin_model)
+    records = rollout_records(reference)
+    assert [r["staleness_max"] for r in records] == [0, 1, 1, 1]
+    # the denominator is recomputed with the weights that generated each sample: it matches
+    # the engine's log-probs of those weights up to kernel rounding, where the trainer's
+    # current weights (the decoupled run's proximal policy) are a whole update away
+    decoupled = rollout_records(one_step_reference[0])
+    for kept, proximal in zip(records[1:], decoupled[1:4], strict=True):
+        assert kept["logprob_abs_diff"] < 1e-5 < proximal["logprob_abs_diff"]
+    assert (reference / "iter_0000002" / "old_actor.safetensors").is_file()
+    plan = cli("plan", *KEEP_ARGS, "--save", reference, "--load", reference, "--ckpt-step", "1")
+    assert plan.returncode == 0, plan.stderr
+    assert "reuses 1 pre-generated rollout" in plan.stdout
+    assert "kept old-actor weights after 1 trained rollout(s)" in plan.stdout
+    save = tmp_path / "run"
+    outcomes = run_with_kills(KEEP_ARGS, save, KEEP_CHAIN, subcommand=ASYNC)
+    assert_recovered(outcomes, compare_runs(reference, save))
+    assert trained_prompts(save) == trained_prompts(reference)
+
+
+def test_keep_old_actor_refuses_a_checkpoint_without_the_old_weights(one_step_reference, tmp_path):
+    import shutil
+
+    from mileage.checkpoint.store import write_tracker
+
+    save = tmp_path / "run"
+    shutil.copytree(one_step_reference[0], save)
+    for later in ("iter_0000003", "iter_0000004", "iter_0000005"):
+        shutil.rmtree(save / later)
+    write_tracker(save, 2)  # iter_2 holds slot 3, generated with version 2, not its weights
+    done = launch([*ONE_STEP_ARGS, "--keep-old-actor"], save, subcommand=ASYNC)
+    assert done.returncode == 2, done.tail()
+    (line,) = done.stderr.strip().splitlines()
+    assert "weight version(s) 2 but not those weights" in line, line

@@ -137,3 +137,64 @@ def test_n2_broadcast_from_the_shards_in_buckets_equals_the_disk_synced_run(
     disk_synced = [{k: v for k, v in r.items() if k not in TIMING_KEYS}
                    for r in read_metrics(reference[0])]  # fmt: skip
     assert strip == disk_synced
+
+
+def test_n2_train_async_equals_one_process_and_resumes_bit_for_bit(
+    servers, builtin_model, tmp_path
+):
+    """`torchrun --nproc-per-node 2 -m mileage train-async` through the servers: rank 0's
+    threads generate slot N+1 while both ranks train N, and every rank gets the samples when
+    the slot is collected. Slots 0 and 1 are generated with the starting weights, so the first
+    two rollouts train on exactly the samples one process trains on, with one process's losses and
+    gradient norms up to the summation order (test_distributed's tolerances); killed on
+    either rank, including while slot 1 generates, the run resumes to the uninterrupted one
+    bit for bit."""
+    import torch
+
+    from mileage.checkpoint.layout import checkpoint_path
+    from mileage.checkpoint.tensors import MODEL_DIR, load_tensors
+
+    # fp32 training: the comparison with one process is then to the summation order alone
+    async_args = [*args_for(servers, 3), "--precision", "fp32"]
+    reference = tmp_path / "n2"
+    run_uninterrupted(
+        async_args,
+        reference,
+        nproc=NPROC,
+        env=torchrun_env(),
+        timeout=600,
+        subcommand="train-async",
+    )
+    assert_learned(reference, builtin_model)
+    records = read_metrics(reference)
+    assert [r["staleness_max"] for r in records] == [0, 1, 1]
+
+    single = tmp_path / "n1"
+    single_args = [*args_for(servers, 2), "--precision", "fp32"]
+    run_uninterrupted(single_args, single, timeout=600, subcommand="train-async")
+    for ours, theirs in zip(read_metrics(reference)[:2], read_metrics(single), strict=True):
+        for key in ("prompt_indices", "reward_mean", "accuracy", "response_len"):
+            assert ours[key] == theirs[key], key
+        # the training on them: one process's up to the summation order, as test_distributed
+        for key in ("grad_norm", "entropy", "ppo_kl", "logprob_abs_diff"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-9), key
+    # and the weights, to test_distributed's fp32 tolerance
+    for rollout_id in (0, 1):
+        mine = load_tensors(checkpoint_path(reference, rollout_id) / MODEL_DIR)
+        one = load_tensors(checkpoint_path(single, rollout_id) / MODEL_DIR)
+        assert mine.keys() == one.keys()
+        for name, value in mine.items():
+            torch.testing.assert_close(value, one[name], rtol=0, atol=1e-6)
+
+    kills = [
+        Kill.at("async_generating", 2, rank=0),  # slot 1 generating on rank 0 while 0 trains
+        Kill.at("commit_after_tracker", rank=0),  # iter_0 committed with slot 1 buffered
+        Kill.at("optimizer_step", 3, rank=1),  # rollout 1 training on the buffered slot
+    ]
+    killed = tmp_path / "killed"
+    outcomes = run_with_kills(async_args, killed, kills, max_reruns=2, nproc=NPROC,
+                              env=torchrun_env(), timeout=600, subcommand="train-async")  # fmt: skip
+    table = outcome_table(outcomes)
+    assert [o.status for o in outcomes] == ["killed"] * len(kills), table
+    assert all(o.resumed and not o.problems for o in outcomes), table
+    assert compare_runs(reference, killed) == [], table

@@ -303,3 +303,34 @@ def test_weights_for_vllm_have_their_own_lm_head(tiny_hf, tmp_path):
     ids = torch.tensor([[1, 5, 6, 7]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_train_async_through_a_launched_server_resumes_bit_for_bit(
+    cli, builtin_model, fake_vllm, tmp_path
+):
+    """train-async with `--rollout-engine vllm`: the server generates slot N+1 (with the weights
+    of before N's update, which it was last reloaded with) while rollout N trains; the samples
+    carry the server's weight version; killed while slot 1 generates and after the first
+    commit (slot 1 buffered), the run resumes to the uninterrupted one bit for bit."""
+    from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
+    from mileage.testing.kills import Kill
+
+    args = builtin_train_args("--rollout-engine", "vllm", "--vllm-python", sys.executable,
+                              "--vllm-start-timeout", "120", "--global-batch-size", "16",
+                              "--num-rollout", "3")  # fmt: skip
+    reference = tmp_path / "reference"
+    run_uninterrupted(args, reference, env=fake_vllm, subcommand="train-async")
+    assert_learned(reference, builtin_model)
+    records = read_metrics(reference)
+    assert [r["staleness_max"] for r in records] == [0, 1, 1]
+    # one reload at the start, one after each rollout: slots 0 and 1 came from the first
+    reloads = Path(fake_vllm["FAKE_VLLM_RELOADS"]).read_text().splitlines()
+    assert len(reloads) == 4
+    save = tmp_path / "run"
+    kills = [Kill.at("async_generating", 2), Kill.at("commit_after_tracker")]
+    outcomes = run_with_kills(args, save, kills, env=fake_vllm, subcommand="train-async")
+    table = outcome_table(outcomes)
+    assert [o.status for o in outcomes] == ["killed"] * len(kills), table
+    assert all(o.resumed and not o.problems for o in outcomes), table
+    assert compare_runs(reference, save) == [], table
+    assert wait_dead(server_pids(fake_vllm)) == []

@@ -5,8 +5,8 @@ Each gap has a named fault point (`mileage.faults`), so the tests can kill or fa
   1. write everything under SAVE/.staging-<name>-<pid>-<n>/: model [save_after_model],
      optimizer [save_after_optimizer], with PPO the critic's model [save_after_critic_model],
      optimizer and meta [save_after_critic] (inside the same staging directory, so the one
-     rename and tracker below commit actor and critic together), RNG, trainer state and meta
-     [save_after_state]; fsync
+     rename and tracker below commit actor and critic together), RNG, train-async's kept old-actor weights,
+     trainer state and meta [save_after_state]; fsync
      each file while hashing it [save_before_manifest]; then the manifest [commit_before_rename];
   2. rename the staging directory to iter_{N:07d} [commit_after_rename] and fsync SAVE
      [commit_before_tracker];
@@ -56,6 +56,7 @@ from mileage.checkpoint.layout import (
 )
 from mileage.checkpoint.tensors import (
     MODEL_DIR,
+    OLD_ACTOR_FILE,
     OPTIMIZER_DIR,
     RNG_FILE,
     save_safetensors,
@@ -85,6 +86,8 @@ class CheckpointState:
     trainer: dict = field(default_factory=dict)
     # PPO: the critic's model, optimizer and meta, written to critic/ of the same checkpoint
     critic: CheckpointState | None = None
+    # train-async --keep-old-actor: "<version>/<name>" -> the weights buffered groups came from
+    old_actor: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def copied(self, reuse: CheckpointState | None = None) -> CheckpointState:
         """A deep copy in CPU memory, so training can go on while a background thread writes.
@@ -114,6 +117,7 @@ class CheckpointState:
             clone(self.rng, reuse and reuse.rng),
             json.loads(json.dumps(self.trainer)),
             self.critic.copied(reuse and reuse.critic) if self.critic is not None else None,
+            clone(self.old_actor, reuse and reuse.old_actor),
         )
 
 
@@ -162,6 +166,8 @@ def _write_contents(directory: Path, state: CheckpointState, tensors_written: bo
         _write_critic(directory / CRITIC_DIR, state.critic)
     if state.rng:
         save_safetensors(state.rng, directory / RNG_FILE)
+    if state.old_actor:
+        save_safetensors(state.old_actor, directory / OLD_ACTOR_FILE)
     if state.trainer:
         write_json_durably(directory / TRAINER_STATE, state.trainer)
     write_json_durably(directory / META, state.meta)

@@ -22,6 +22,8 @@ from mileage.models.tensors import model_tensors
 from mileage.seeding import overwritten_allocations
 
 MODEL_DIR, OPTIMIZER_DIR, RNG_FILE = "model", "optimizer", "rng.safetensors"
+# train-async --keep-old-actor: the older weight versions its rollout buffer was generated with
+OLD_ACTOR_FILE = "old_actor.safetensors"
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -144,6 +146,12 @@ def load_optimizer_tensors(
     for name, value in tensors.items():
         param_name, _, key = name.rpartition(".")
         optimizer.state[params[param_name]][key] = value
+
+
+def load_old_actor_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The kept old-actor weights of a checkpoint ({} when it holds none)."""
+    path = Path(checkpoint) / OLD_ACTOR_FILE
+    return load_file(str(path)) if path.is_file() else {}
 
 
 def load_rng_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:

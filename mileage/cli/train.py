@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from mileage.checkpoint.plan import COMPLETE, RESUME, ResumePlan
 from mileage.checkpoint.store import TRAINER_STATE, remove_leftovers
+from mileage.checkpoint.tensors import OLD_ACTOR_FILE
 from mileage.components import build_run
 from mileage.distributed import env
 from mileage.distributed.coordination import run_progress, save_dir_lock
@@ -25,12 +27,25 @@ def reuse_line(plan: ResumePlan, asynchronous: bool = True) -> str | None:
         return None
     line = describe_saved(plan.weights_from, TRAINER_STATE)
     if line is None or asynchronous:
-        return line
+        return line if line is None else line + kept_weights(plan.weights_from)
     return (
         "  note: the checkpoint holds a rollout buffer (of train-async or dynamic sampling); "
         "`mileage train` without dynamic sampling generates on-policy and leaves it unused "
         "(continue it exactly with the command and flags that wrote it)"
     )
+
+
+def kept_weights(checkpoint) -> str:
+    """train-async --keep-old-actor: the weight versions the checkpoint kept for its buffer."""
+    path = Path(checkpoint) / OLD_ACTOR_FILE
+    if not path.is_file():
+        return ""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as kept:
+        versions = sorted({int(key.split("/", 1)[0]) for key in kept.keys()})  # noqa: SIM118
+    # keyed by trained rollouts (the weight versions above count optimizer steps)
+    return f"; kept old-actor weights after {', '.join(map(str, versions))} trained rollout(s)"
 
 
 def train_command(cfg: RunConfig, asynchronous: bool = False) -> int:

@@ -24,7 +24,13 @@ from mileage.checkpoint.layout import (
     scan_dir,
 )
 from mileage.checkpoint.store import TRAINER_STATE, verify_checkpoint
-from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, RNG_FILE, load_tensors
+from mileage.checkpoint.tensors import (
+    MODEL_DIR,
+    OLD_ACTOR_FILE,
+    OPTIMIZER_DIR,
+    RNG_FILE,
+    load_tensors,
+)
 from mileage.metrics import METRICS_FILE, TIMING_KEYS
 
 # a difference in tensor names, shapes, dtypes or values starts with this
@@ -39,7 +45,7 @@ def compare_runs(save_a: str | Path, save_b: str | Path) -> list[str]:
     """Every difference between two save directories ([] = identical where it matters).
 
     Compares the trackers, the set of complete checkpoints, and in each checkpoint both runs
-    have: every model, optimizer and RNG tensor (names, dtypes, shapes, `torch.equal`), the
+    have: every model, optimizer, RNG and kept old-actor tensor (names, dtypes, shapes, `torch.equal`), the
     trainer state and meta.json (minus time and host); then metrics.jsonl minus timing keys.
     Also reports leftovers of interrupted saves (starting with `LEFTOVER_DIFF`) and a tracker
     naming a corrupt checkpoint. Tensor differences start with `TENSOR_DIFF`.
@@ -79,11 +85,13 @@ def compare_checkpoints(ckpt_a: str | Path, ckpt_b: str | Path) -> list[str]:
             diffs += compare_tensors(f"{name}/{sub}", load_tensors(a / sub), load_tensors(b / sub))
         elif present != (False, False):
             diffs.append(f"{TENSOR_DIFF}{name}/{sub}: present in only one run")
-    if (a / RNG_FILE).is_file() and (b / RNG_FILE).is_file():
-        rng_a, rng_b = load_file(str(a / RNG_FILE)), load_file(str(b / RNG_FILE))
-        diffs += compare_tensors(f"{name}/{RNG_FILE}", rng_a, rng_b)
-    elif (a / RNG_FILE).is_file() != (b / RNG_FILE).is_file():
-        diffs.append(f"{TENSOR_DIFF}{name}/{RNG_FILE}: present in only one run")
+    for file in (RNG_FILE, OLD_ACTOR_FILE):
+        if (a / file).is_file() and (b / file).is_file():
+            diffs += compare_tensors(
+                f"{name}/{file}", load_file(str(a / file)), load_file(str(b / file))
+            )
+        elif (a / file).is_file() != (b / file).is_file():
+            diffs.append(f"{TENSOR_DIFF}{name}/{file}: present in only one run")
     for json_name, ignored in (
         (TRAINER_STATE, frozenset()),
         (META, VOLATILE_META),

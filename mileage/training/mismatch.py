@@ -119,29 +119,41 @@ def load_tis_function(cfg: MismatchConfig) -> TisFunction | None:
 
 
 @torch.no_grad()
-def trainer_logprobs(actor: Actor, batch: TrainBatch) -> torch.Tensor:
-    """The trainer's log-probs of the batch's tokens, in target space like `old_logprobs`."""
+def trainer_logprobs(
+    actor: Actor, batch: TrainBatch, model: torch.nn.Module | None = None
+) -> torch.Tensor:
+    """The trainer's log-probs of the batch's tokens, in target space like `old_logprobs`;
+    `model`: other weights of the same policy, computed the same way (`--keep-old-actor`)."""
+    model = actor.model if model is None else model
     _, micro = actor.algo.batch_sizes(len(batch))
     out = torch.zeros_like(batch.old_logprobs)
-    was_training = actor.model.training
-    actor.model.eval()
+    was_training = model.training
+    model.eval()
     for start in range(0, len(batch), micro):
         part = batch.slice(start, start + micro)
-        logp, _ = sequence_logprobs(actor.model, part, actor.temperature)
+        logp, _ = sequence_logprobs(model, part, actor.temperature)
         first = part.target_offset
         out[start : start + micro, first : first + logp.shape[1]] = logp
-    actor.model.train(was_training)
+    model.train(was_training)
     return out * batch.loss_mask
 
 
-def apply_mismatch(cfg: MismatchConfig, engine, actor: Actor, batch: TrainBatch) -> dict:
-    """Recompute, measure and correct as configured; returns the metrics to log."""
-    if not needs_recompute(cfg, engine, precision_of(actor.model)):
+def apply_mismatch(
+    cfg: MismatchConfig,
+    engine,
+    actor: Actor,
+    batch: TrainBatch,
+    recomputed: torch.Tensor | None = None,
+) -> dict:
+    """Recompute, measure and correct as configured; returns the metrics to log.
+    `recomputed`: the trainer's log-probs, already computed by the caller (train-async's
+    `--keep-old-actor`, with the weights that generated each row); they are then always used."""
+    if recomputed is None and not needs_recompute(cfg, engine, precision_of(actor.model)):
         return {}
     mask = batch.loss_mask
     tokens = mask.sum().clamp(min=1.0)
     rollout = batch.old_logprobs
-    trainer = trainer_logprobs(actor, batch)
+    trainer = trainer_logprobs(actor, batch) if recomputed is None else recomputed
     stats = {"logprob_abs_diff": float(((trainer - rollout).abs() * mask).sum() / tokens)}
     if cfg.get_mismatch_metrics:
         stats.update(mismatch_metrics(trainer, rollout, mask))

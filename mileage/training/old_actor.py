@@ -1,0 +1,109 @@
+"""`--keep-old-actor` (miles' flag): the trainer keeps the weights the engine generated with.
+
+In async training a sample can come from weights several updates older than the trainer's. With
+`--keep-old-actor` the trainer keeps a copy of each such weight version (the versions that still
+have generated-but-untrained groups, and the one the engine holds now) and recomputes the PPO
+ratio's denominator, the "old" log-probs, with the weights that generated each row:
+
+    r_t = pi_theta(y_t | x, y_<t) / pi_old(y_t | x, y_<t),   pi_old = the behaviour weights,
+                                                             evaluated by the trainer
+
+so PPO's clip and ratio are taken against the policy that actually sampled the tokens, in the
+trainer's own numerics (the engine's log-probs of the same weights differ by kernels and
+precision; `--use-tis` can correct that remainder as in synchronous training).
+
+Only parameters that train are copied (with LoRA: the adapter); frozen ones are the same in
+every version. The copies are state: a checkpoint holds those its rollout buffer needs, so a
+resumed run recomputes the same denominators bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from mileage.training.batch import TrainBatch
+from mileage.training.mismatch import trainer_logprobs
+
+SEPARATOR = "/"  # checkpoint keys: "<version>/<parameter name>"
+
+
+def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters training changes, by name (each shared parameter once)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+class OldActor:
+    """Weight versions (keyed by trained rollouts) kept on the trainer, in CPU memory."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._scratch: torch.nn.Module | None = None  # a copy of the policy to load them into
+
+    def keep(self, version: int, model: torch.nn.Module) -> None:
+        """Copy the model's trainable weights now as `version` (the engine just received them)."""
+        self.versions[version] = {
+            name: p.detach().to("cpu", copy=True) for name, p in trainable_tensors(model).items()
+        }
+
+    def prune(self, needed: Iterable[int]) -> None:
+        """Forget versions no untrained group and no future generation can come from."""
+        needed = set(needed)
+        for version in [v for v in self.versions if v not in needed]:
+            del self.versions[version]
+
+    def missing(self, versions: Iterable[int]) -> list[int]:
+        return sorted(set(versions) - set(self.versions))
+
+    def state_tensors(self, versions: Iterable[int]) -> dict[str, torch.Tensor]:
+        """The kept weights of `versions`, flat for a safetensors file."""
+        return {
+            f"{v}{SEPARATOR}{name}": tensor
+            for v in sorted(set(versions))
+            for name, tensor in self.versions[v].items()
+        }
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, tensor in tensors.items():
+            version, name = key.split(SEPARATOR, 1)
+            self.versions.setdefault(int(version), {})[name] = tensor
+
+    @torch.no_grad()
+    def logprobs(
+        self, actor, batch: TrainBatch, row_versions: Sequence[int], current: int
+    ) -> torch.Tensor:
+        """Each row's log-probs under the weights that generated it (`row_versions`), computed
+        exactly as the trainer computes its own (`trainer_logprobs`). Rows of version `current`
+        (the trainer's weights now) use the actor's model itself."""
+        out = torch.zeros_like(batch.old_logprobs)
+        rows_of: dict[int, list[int]] = {}
+        for row, version in enumerate(row_versions):
+            rows_of.setdefault(version, []).append(row)
+        for version, rows in sorted(rows_of.items()):
+            if version == current:
+                computed = trainer_logprobs(actor, batch)
+            else:
+                computed = trainer_logprobs(actor, batch, model=self._load(actor.model, version))
+            # the whole batch per version (usually one), so the micro-batches, and with them
+            # the numerics, are the trainer's own; then the rows of that version are kept
+            index = torch.tensor(rows, device=out.device)
+            out[index] = computed[index]
+        return out
+
+    def _load(self, model: torch.nn.Module, version: int) -> torch.nn.Module:
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(model)
+            for param in self._scratch.parameters():
+                param.grad = None  # never trained: no gradient memory
+        params = trainable_tensors(self._scratch)
+        weights = self.versions[version]
+        if set(weights) != set(params):
+            raise RuntimeError(
+                f"old actor version {version} holds other parameters than the policy "
+                f"({sorted(set(weights) ^ set(params))[:3]}...)"
+            )
+        for name, param in params.items():
+            param.copy_(weights[name])
+        return self._scratch
