@@ -36,7 +36,7 @@ from mileage.checkpoint.tensors import (
 from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
 from mileage.distributed.checkpoint import ShardedCheckpointWriter, rng_of_this_rank
-from mileage.distributed.parallelize import shard_run_models
+from mileage.distributed.parallelize import shard_model, shard_run_models
 from mileage.distributed.remote import RemoteEngineOnRank0
 from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.errors import UserError
@@ -73,7 +73,12 @@ from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
 from mileage.tracking import build_trackers, new_wandb_run_id
 from mileage.training.actor import Actor
-from mileage.training.critic import build_critic, critic_checkpoint_state, restore_critic
+from mileage.training.critic import (
+    build_critic,
+    build_value_model,
+    critic_checkpoint_state,
+    restore_critic,
+)
 from mileage.training.lora import (
     LoraPolicy,
     MergedWeightsEngine,
@@ -193,11 +198,17 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
         if lora is not None and not engine.in_process:
             engine = MergedWeightsEngine(engine, lora, config_dir, log)
+    # PPO: the critic starts from the actor's loaded weights, so it is copied before sharding
+    value_model = None
+    if plan.critic:
+        value_model = build_value_model(model, plan.critic_from, config_dir, cfg.loop.seed)
     if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
         local = engine is not None and engine.in_process
         model, reference, generation_copy = shard_run_models(
             model, reference, cfg.parallel, generation_copy=local
         )
+        if value_model is not None:  # sharded like the actor; saved as shards in critic/
+            shard_model(value_model, cfg.parallel)
         if engine is not None and not local:  # rank 0 drives the servers, no copy is kept
             engine = RemoteEngineOnRank0(engine)
         elif engine is not None:
@@ -224,6 +235,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             cfg.loop.seed,
             plan.num_rollout * steps_per_rollout,
             cfg.optim.clip_grad,
+            model=value_model,
         )
         log(f"critic: {plan.critic_from or 'the actor weights'} + value head")
     actor = Actor(

@@ -230,10 +230,6 @@ class RunConfig:
                 "--rollout-engine vllm is not supported under torchrun yet; use --rollout-engine "
                 "sglang (SGLang servers or `mileage serve`) or local"
             )
-        if env.world_size() > 1 and self.algo.advantage_estimator == "ppo":
-            raise UserError(
-                "--advantage-estimator ppo (a critic) is not supported under torchrun yet"
-            )
         self.engine.validate()
         self.mismatch.validate()
         self.lora.validate(env.world_size())

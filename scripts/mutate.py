@@ -297,7 +297,7 @@ MUTANTS = [
         "critic-not-committed-with-actor",
         "the actor's checkpoint commits without the critic",
         "mileage/checkpoint/store.py",
-        "    if state.critic is not None:\n        _write_critic(directory / CRITIC_DIR, state.critic)\n",
+        "    if state.critic is not None:\n        _write_critic(directory / CRITIC_DIR, state.critic, tensors_written)\n",
         "",
         (PPO_PLAN,),
     ),

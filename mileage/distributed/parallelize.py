@@ -56,7 +56,9 @@ class ParallelConfig:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a Hugging Face causal LM (`model.model.layers` for Llama-likes)."""
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+    # body.layers: the PPO critic's value model (`training.critic.ValueModel`) around a Llama-like
+    paths = ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers")
+    for path in (*paths, "body.layers", "body.h"):
         module = model
         for part in path.split("."):
             module = getattr(module, part, None)
