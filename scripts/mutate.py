@@ -294,7 +294,7 @@ MUTANTS = [
         "critic-weights-not-restored",
         "a PPO resume builds the critic from the actor's weights instead of its checkpoint",
         "mileage/training/critic.py",
-        "    if critic_from is not None:\n        load_tensors(",
+        "    if critic_from is not None and not meta:\n        load_tensors(",
         "    if False:\n        load_tensors(",
         (PPO_CRASH,),
     ),
@@ -565,6 +565,25 @@ MUTANTS = [
             "tests/test_engines_vllm.py::"
             "test_torchrun_n2_trains_through_a_vllm_server_that_rank_0_launches_and_resumes_exactly",
         ),
+    ),
+    Mutant(
+        "dist-meta-buffers-not-broadcast",
+        "ranks built on the meta device keep uninitialised buffers (the rotary frequencies are "
+        "not in the state dict rank 0 broadcasts)",
+        "mileage/distributed/parallelize.py",
+        "            dist.broadcast(buffer, src=0)\n",
+        "            pass\n",
+        ("tests/test_distributed_load.py",),
+    ),
+    Mutant(
+        "dist-meta-generation-copy-head-untied",
+        "the generation copy of a rank built on the meta device keeps an LM head of its own, "
+        "never filled (it is filled under the embedding's name only)",
+        "mileage/distributed/parallelize.py",
+        '            if hasattr(generation_copy, "tie_weights"):\n'
+        "                generation_copy.tie_weights()\n",
+        "",
+        ("tests/test_distributed_load.py",),
     ),
     Mutant(
         "dist-async-save-rng-of-rank-0-only",

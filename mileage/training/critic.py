@@ -202,9 +202,15 @@ def build_value_model(
     """The critic's value model the plan names: weights from `critic_from`/critic/, else a copy
     of the actor's starting weights (call before the actor trains, and under torchrun before
     the actor is sharded) with a fresh value head; beside the actor, in its precision."""
-    body = copy.deepcopy(actor_model) if critic_from is None else empty_causal_lm(config_dir)
+    # under torchrun, ranks other than 0 hold the actor on the meta device: so does their critic
+    # until it is sharded and given rank 0's values (`parallelize.shard_from_rank0`)
+    meta = any(p.is_meta for p in actor_model.parameters())
+    if critic_from is None:
+        body = copy.deepcopy(actor_model)
+    else:
+        body = empty_causal_lm(config_dir, device="meta" if meta else "cpu")
     model = set_precision(ValueModel(body, seed).eval(), precision_of(actor_model))
-    if critic_from is not None:
+    if critic_from is not None and not meta:
         load_tensors(Path(critic_from) / CRITIC_DIR / MODEL_DIR, into=model_tensors(model))
     return model.to(next(actor_model.parameters()).device)  # the critic trains where the actor does
 
