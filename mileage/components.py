@@ -37,7 +37,7 @@ from mileage.checkpoint.tensors import (
 from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
 from mileage.distributed.checkpoint import ShardedCheckpointWriter, rng_of_this_rank
-from mileage.distributed.parallelize import shard_run_models
+from mileage.distributed.parallelize import shard_from_rank0, shard_run_models
 from mileage.distributed.remote import RemoteEngineOnRank0
 from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.errors import UserError
@@ -77,7 +77,12 @@ from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
 from mileage.tracking import build_trackers, new_wandb_run_id
 from mileage.training.actor import Actor
-from mileage.training.critic import build_critic, critic_checkpoint_state, restore_critic
+from mileage.training.critic import (
+    build_critic,
+    build_value_model,
+    critic_checkpoint_state,
+    restore_critic,
+)
 from mileage.training.lora import (
     LoraPolicy,
     MergedWeightsEngine,
@@ -133,6 +138,25 @@ def _load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
     model = empty_causal_lm(config_dir)
     load_model_weights(path, model)
     return model
+
+
+def _load_on_rank0(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
+    """`_load_weights`, except under torchrun: only rank 0 reads the weights; the other ranks
+    build the architecture on the meta device (no storage) and get their shards of rank 0's
+    values when the model is sharded (`parallelize.shard_from_rank0`), so no rank but 0 ever
+    holds the full model. A failure on rank 0 stops every rank with its line."""
+    if not env.is_distributed():
+        return _load_weights(path, fmt, config_dir)
+    model, error = None, None
+    if env.is_main():
+        try:
+            model = _load_weights(path, fmt, config_dir)
+        except UserError as exc:
+            error = str(exc)
+    error = env.broadcast_object(error)
+    if error is not None:
+        raise UserError(error)
+    return model if env.is_main() else empty_causal_lm(config_dir, device="meta")
 
 
 def _hf_exporter(template: str | None, config_dir: str, log):
@@ -194,11 +218,11 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             log(f"reference model: the base {lora.base['path']} (adapter disabled)")
     else:
         refuse_adapter_without_lora(plan.weights_from, plan.weights_format)
-        model = _load_weights(plan.weights_from, plan.weights_format, config_dir)
+        model = _load_on_rank0(plan.weights_from, plan.weights_format, config_dir)
     # every copy made from here on (critic body, generation copy) inherits the precision
     set_precision(model, plan.precision)
     if cfg.algo.needs_reference and lora is None:
-        reference = _load_weights(ref_path, ref_fmt, config_dir).requires_grad_(False)
+        reference = _load_on_rank0(ref_path, ref_fmt, config_dir).requires_grad_(False)
         set_precision(reference, plan.precision)
         log(f"reference model: {ref_path} ({ref_fmt})")
     if not env.is_distributed():
@@ -212,11 +236,17 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
         if lora is not None and not engine.in_process:
             engine = MergedWeightsEngine(engine, lora, config_dir, log)
+    # PPO: the critic starts from the actor's loaded weights, so it is copied before sharding
+    value_model = None
+    if plan.critic:
+        value_model = build_value_model(model, plan.critic_from, config_dir, cfg.loop.seed)
     if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
         local = engine is not None and engine.in_process
         model, reference, generation_copy = shard_run_models(
             model, reference, cfg.parallel, generation_copy=local
         )
+        if value_model is not None:  # sharded like the actor; saved as shards in critic/
+            shard_from_rank0(value_model, cfg.parallel)
         if engine is not None and not local:  # rank 0 drives the servers, no copy is kept
             engine = RemoteEngineOnRank0(engine)
         elif engine is not None:
@@ -243,6 +273,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             cfg.loop.seed,
             plan.num_rollout * steps_per_rollout,
             cfg.optim.clip_grad,
+            model=value_model,
         )
         log(f"critic: {plan.critic_from or 'the actor weights'} + value head")
     actor = Actor(

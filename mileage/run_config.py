@@ -228,15 +228,6 @@ class RunConfig:
         self.algo.validate(r.n_samples_per_prompt)
         self.critic.validate(self.algo.advantage_estimator)
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
-        if env.world_size() > 1 and self.engine.rollout_engine == "vllm":
-            raise UserError(
-                "--rollout-engine vllm is not supported under torchrun yet; use --rollout-engine "
-                "sglang (SGLang servers or `mileage serve`) or local"
-            )
-        if env.world_size() > 1 and self.algo.advantage_estimator == "ppo":
-            raise UserError(
-                "--advantage-estimator ppo (a critic) is not supported under torchrun yet"
-            )
         self.engine.validate()
         self.multiturn.validate()
         if self.multiturn.rollout_function_path and self.dynamic.dynamic_sampling_filter_path:

@@ -131,9 +131,13 @@ class EngineServer:
                 "message": f"mileage serve runs on the CPU: gloo, not {backend}",
             }
         try:
-            self.groups[name] = join_group(address, port, rank, world_size, backend, name, 600.0)
-        except (RuntimeError, OSError) as exc:
+            group = join_group(address, port, rank, world_size, backend, name, 600.0)
+        except (RuntimeError, OSError, ValueError) as exc:  # ValueError: a name already taken
             return {"success": False, "message": f"joining {name} failed: {exc}"}
+        # a new trainer (a rerun after a kill) replaces the old one's group: one trainer at a time
+        with self.lock:
+            self.groups = {name: group}
+            self.pending.clear()  # buckets of an update the old trainer never finished
         return {"success": True, "message": f"joined {name} as rank {rank} of {world_size}"}
 
     def update_weights_from_distributed(self, body: dict) -> dict:

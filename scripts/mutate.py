@@ -45,6 +45,11 @@ DIST_N1 = f"{DIST}::test_n2_checkpoint_resumes_at_n1_exactly_and_trains_like_n2_
 SYNC_FAULT_CHAIN = (
     "test_a_failed_save_anywhere_in_the_commit_stops_cleanly_and_the_rerun_is_exact[sync]"
 )
+DIST_PPO_N1 = (
+    "tests/test_distributed_ppo.py::"
+    "test_n2_ppo_checkpoint_resumes_at_n1_and_trains_like_n2_on_the_same_samples"
+)
+DIST_ASYNC = "tests/test_distributed_async_save.py"
 PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
 BUILTIN = "tests/test_builtin_model.py"
@@ -308,7 +313,7 @@ MUTANTS = [
         "critic-weights-not-restored",
         "a PPO resume builds the critic from the actor's weights instead of its checkpoint",
         "mileage/training/critic.py",
-        "    if critic_from is not None:\n        load_tensors(",
+        "    if critic_from is not None and not meta:\n        load_tensors(",
         "    if False:\n        load_tensors(",
         (PPO_CRASH,),
     ),
@@ -316,7 +321,7 @@ MUTANTS = [
         "critic-not-committed-with-actor",
         "the actor's checkpoint commits without the critic",
         "mileage/checkpoint/store.py",
-        "    if state.critic is not None:\n        _write_critic(directory / CRITIC_DIR, state.critic)\n",
+        "    if state.critic is not None:\n        _write_critic(directory / CRITIC_DIR, state.critic, tensors_written)\n",
         "",
         (PPO_PLAN,),
     ),
@@ -539,6 +544,73 @@ MUTANTS = [
         "    error = env.broadcast_object(error)\n",
         "",
         (f"{DIST}::test_second_torchrun_job_on_a_save_in_use_exits_2_on_every_rank",),
+    ),
+    Mutant(
+        "dist-critic-trains-whole-batch-on-every-rank",
+        "under torchrun every rank trains the critic on the whole global batch (its summed "
+        "gradient is N times one process's)",
+        "mileage/training/critic.py",
+        "            for m_start, m_end in env.micro_batches(g_start, gbs, mbs):\n",
+        "            for m_start, m_end in [(m, m + mbs) for m in range(g_start, g_start + gbs, mbs)]:\n",
+        (DIST_PPO_N1,),
+    ),
+    Mutant(
+        "dist-critic-stats-from-this-rank",
+        "the critic's value loss and clip fraction are this rank's share, not summed over ranks",
+        "mileage/training/critic.py",
+        '        totals = env.sum_over_ranks({"value_loss": loss_total, "value_clipfrac": clip_total})\n',
+        '        totals = {"value_loss": loss_total, "value_clipfrac": clip_total}\n',
+        (DIST_PPO_N1,),
+    ),
+    Mutant(
+        "broadcast-group-name-fixed",
+        "every trainer forms its weight-update group under one fixed name (a rerun after a "
+        "kill cannot form a group with servers that hold the dead trainer's)",
+        "mileage/rollout/engines/broadcast.py",
+        "        self.group_name = new_group_name()\n",
+        "",
+        (
+            "tests/test_distributed_remote.py::"
+            "test_n2_broadcast_killed_between_buckets_on_either_rank_resumes_to_the_uninterrupted_run",
+        ),
+    ),
+    Mutant(
+        "dist-vllm-tied-head-not-written",
+        "under torchrun the weights written for vLLM keep a tied LM head (vLLM's reload skips it)",
+        "mileage/distributed/remote.py",
+        '            if self.untie_head and getattr(config, "tie_word_embeddings", False):\n',
+        "            if False:\n",
+        (
+            "tests/test_engines_vllm.py::"
+            "test_torchrun_n2_trains_through_a_vllm_server_that_rank_0_launches_and_resumes_exactly",
+        ),
+    ),
+    Mutant(
+        "dist-meta-buffers-not-broadcast",
+        "ranks built on the meta device keep uninitialised buffers (the rotary frequencies are "
+        "not in the state dict rank 0 broadcasts)",
+        "mileage/distributed/parallelize.py",
+        "            dist.broadcast(buffer, src=0)\n",
+        "            pass\n",
+        ("tests/test_distributed_load.py",),
+    ),
+    Mutant(
+        "dist-meta-generation-copy-head-untied",
+        "the generation copy of a rank built on the meta device keeps an LM head of its own, "
+        "never filled (it is filled under the embedding's name only)",
+        "mileage/distributed/parallelize.py",
+        '            if hasattr(generation_copy, "tie_weights"):\n'
+        "                generation_copy.tie_weights()\n",
+        "",
+        ("tests/test_distributed_load.py",),
+    ),
+    Mutant(
+        "dist-async-save-rng-of-rank-0-only",
+        "a background save at N=2 keeps rank 0's RNG states only (the others are not gathered)",
+        "mileage/distributed/checkpoint.py",
+        "        snapshot = self._staged(replace(state, rng=gather_rng(state.rng)))\n",
+        "        snapshot = self._staged(state)\n",
+        (f"{DIST_ASYNC}::test_n2_async_save_writes_what_a_sync_save_writes",),
     ),
     Mutant(
         "builtin-shipped-sha-unchecked",

@@ -198,3 +198,28 @@ def test_n2_train_async_equals_one_process_and_resumes_bit_for_bit(
     assert [o.status for o in outcomes] == ["killed"] * len(kills), table
     assert all(o.resumed and not o.problems for o in outcomes), table
     assert compare_runs(reference, killed) == [], table
+
+
+def test_n2_broadcast_killed_between_buckets_on_either_rank_resumes_to_the_uninterrupted_run(
+    reference, servers, builtin_model, tmp_path
+):
+    """Each kill leaves the servers holding the first bucket of new weights and the rest of the
+    old (mid_weight_sync fires after bucket 0 of at least 3, on every rank), with their broadcast
+    group's trainer end gone. The rerun forms a new group, sends every bucket again, and ends
+    on the disk-synced run's tensors (which the broadcast run equals, see above)."""
+    from mileage.models.hf import load_causal_lm
+
+    model_bytes = sum(t.numel() * 4 for t in load_causal_lm(builtin_model).state_dict().values())
+    args = [*args_for(servers, 2), "--rollout-weight-sync", "broadcast",
+            "--update-weight-buffer-size", str(model_bytes // 3)]  # fmt: skip
+    kills = [
+        Kill.at("mid_weight_sync", rank=0),  # the first sync, before rollout 0
+        Kill.at("mid_weight_sync", 2, rank=1),  # the sync after rollout 0's training
+    ]
+    killed = tmp_path / "killed"
+    outcomes = run_with_kills(args, killed, kills, max_reruns=2, nproc=NPROC,
+                              env=torchrun_env(), timeout=600)  # fmt: skip
+    table = outcome_table(outcomes)
+    assert [o.status for o in outcomes] == ["killed"] * len(kills), table
+    assert all(o.intact and o.resumed and not o.problems for o in outcomes), table
+    assert compare_runs(reference[0], killed) == [], table

@@ -23,6 +23,8 @@ from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.engines.http import BadReply
 from mileage.rollout.engines.vllm import VLLMEngine, launch_args
 from mileage.testing.compare import compare_runs
+from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
+from mileage.testing.kills import Kill
 
 FAKE_SERVER = """
 import argparse, json, os, subprocess, sys
@@ -333,4 +335,54 @@ def test_train_async_through_a_launched_server_resumes_bit_for_bit(
     assert [o.status for o in outcomes] == ["killed"] * len(kills), table
     assert all(o.resumed and not o.problems for o in outcomes), table
     assert compare_runs(reference, save) == [], table
+
+
+# ---------------------------------------------------------------- under torchrun (N=2)
+
+
+def torchrun_vllm_args(weights_dir: Path) -> list[str]:
+    return builtin_train_args(
+        "--rollout-engine", "vllm", "--vllm-python", sys.executable, "--vllm-start-timeout",
+        "120", "--global-batch-size", "16", "--num-rollout", "2", "--rollout-timeout", "60",
+        "--rollout-weights-dir", str(weights_dir),
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_torchrun_n2_trains_through_a_vllm_server_that_rank_0_launches_and_resumes_exactly(
+    builtin_model, fake_vllm, tmp_path
+):
+    """Rank 0 launches the server, sends every request and writes the weights it reloads from
+    the gathered shards (with an LM head of its own: the built-in model ties it). The server
+    follows every update, rollout 0 draws the samples one process draws through the same
+    server, and a chain of kills (rank 1 mid-training, rank 0 after training) resumes to the
+    uninterrupted N=2 run in every tensor and metric. No server outlives its run."""
+    env = {**fake_vllm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    n2 = tmp_path / "n2"
+    run_uninterrupted(torchrun_vllm_args(tmp_path / "w2"), n2, nproc=2, env=env, timeout=300)
+    assert_learned(n2, builtin_model)
+    records = read_metrics(n2)
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert all(r["logprob_abs_diff"] < 1e-4 for r in records), records
+    assert len(Path(fake_vllm["FAKE_VLLM_RELOADS"]).read_text().splitlines()) == 3
+    written = tmp_path / "w2" / "current"
+    tensors = load_file(str(written / "model.safetensors"))
+    assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    assert '"tie_word_embeddings": false' in (written / "config.json").read_text()
+
+    n1 = tmp_path / "n1"
+    run_uninterrupted(torchrun_vllm_args(tmp_path / "w1"), n1, nproc=1, env=env, timeout=300)
+    first = read_metrics(n1)[0]
+    for key in ("prompt_indices", "reward_mean", "response_len"):
+        assert first[key] == records[0][key], key
+
+    killed = tmp_path / "killed"
+    kills = [Kill.at("optimizer_step", 3, rank=1), Kill.at("after_train", rank=0)]
+    outcomes = run_with_kills(
+        torchrun_vllm_args(tmp_path / "wk"), killed, kills, nproc=2, env=env, timeout=300
+    )
+    table = outcome_table(outcomes)
+    assert [o.status for o in outcomes] == ["killed", "killed"], table
+    assert all(o.intact and o.resumed and not o.problems for o in outcomes), table
+    assert compare_runs(n2, killed) == []
     assert wait_dead(server_pids(fake_vllm)) == []

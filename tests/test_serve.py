@@ -188,7 +188,7 @@ def test_broadcast_in_buckets_loads_every_tensor_and_a_short_update_is_refused(s
         sender = engine.broadcast
         futures = sender._posts(
             "/update_weights_from_distributed",
-            {server.url: update_request({name: tensor}, 12, last=True)},
+            {server.url: update_request({name: tensor}, 12, last=True, group=sender.group_name)},
         )
         dist.broadcast(tensor.detach().contiguous(), src=0, group=sender.group)
         reply = futures[server.url].result(timeout=60)

@@ -257,14 +257,20 @@ def test_torchrun_takes_sglang_with_either_weight_sync(monkeypatch, sync):
     assert cfg.engine.rollout_weight_sync == sync
 
 
-def test_torchrun_refuses_vllm_naming_what_works(monkeypatch):
+@pytest.mark.parametrize(
+    "flags",
+    [["--rollout-engine", "vllm"], ["--advantage-estimator", "ppo"], ["--async-save"]],
+)
+def test_torchrun_takes_vllm_ppo_and_async_save(monkeypatch, flags):
+    """Refused under torchrun before; run at N=2 by test_engines_vllm.py,
+    test_distributed_ppo.py and test_distributed_async_save.py."""
     from mileage.cli.main import build_parser
     from mileage.run_config import RunConfig
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    parsed = build_parser().parse_args(["train", "--rollout-engine", "vllm"])
-    with pytest.raises(UserError, match="use --rollout-engine sglang .* or local"):
-        RunConfig.from_args(parsed)
+    parsed = build_parser().parse_args(["train", *flags, "--global-batch-size", "64"])
+    cfg = RunConfig.from_args(parsed)
+    assert cfg.parallel is not None
 
 
 @pytest.mark.parametrize("flag", ["--update-weight-buffer-size", "--sglang-server-concurrency"])

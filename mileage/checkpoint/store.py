@@ -163,7 +163,7 @@ def _write_contents(directory: Path, state: CheckpointState, tensors_written: bo
             save_tensors(state.optimizer, directory / OPTIMIZER_DIR)
             fault_point("save_after_optimizer", directory)
     if state.critic is not None:
-        _write_critic(directory / CRITIC_DIR, state.critic)
+        _write_critic(directory / CRITIC_DIR, state.critic, tensors_written)
     if state.rng:
         save_safetensors(state.rng, directory / RNG_FILE)
     if state.old_actor:
@@ -190,11 +190,14 @@ def _write_contents(directory: Path, state: CheckpointState, tensors_written: bo
     fsync_path(directory)
 
 
-def _write_critic(directory: Path, critic: CheckpointState) -> None:
-    directory.mkdir()
-    save_tensors(critic.model, directory / MODEL_DIR)
-    fault_point("save_after_critic_model", directory)
-    save_tensors(critic.optimizer, directory / OPTIMIZER_DIR)
+def _write_critic(directory: Path, critic: CheckpointState, tensors_written: bool) -> None:
+    """critic/: model, optimizer, meta. `tensors_written`: every rank of a sharded run has
+    already written the critic's shards there (`mileage.distributed.checkpoint`)."""
+    if not tensors_written:
+        directory.mkdir()
+        save_tensors(critic.model, directory / MODEL_DIR)
+        fault_point("save_after_critic_model", directory)
+        save_tensors(critic.optimizer, directory / OPTIMIZER_DIR)
     write_json_durably(directory / META, critic.meta)
     fsync_path(directory)
     fault_point("save_after_critic", directory)

@@ -45,14 +45,21 @@ def _quiet_dcp() -> Iterator[None]:
         yield
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Write `tensors` as a DCP directory; its files are fsynced later, by `_sync_and_hash`."""
+def save_tensors(tensors: dict[str, torch.Tensor], directory: Path, process_group=None) -> None:
+    """Write `tensors` as a DCP directory; its files are fsynced later, by `_sync_and_hash`.
+
+    `process_group`: the group DCP's collectives run on under torchrun (default: the whole
+    world's); a background save passes its own, so they never meet training's."""
     import torch.distributed.checkpoint as dcp  # ~0.8 s of imports; runs without --save skip it
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with _quiet_dcp():
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=False))
+            dcp.save(
+                tensors,
+                storage_writer=dcp.FileSystemWriter(str(directory), sync_files=False),
+                process_group=process_group,
+            )
     except CheckpointException as exc:
         # DCP wraps the writer's failure (disk full, I/O error) per rank; report it as the
         # OSError it is, so a failing save stops with one line like any other write error

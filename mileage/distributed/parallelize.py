@@ -56,7 +56,9 @@ class ParallelConfig:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a Hugging Face causal LM (`model.model.layers` for Llama-likes)."""
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+    # body.layers: the PPO critic's value model (`training.critic.ValueModel`) around a Llama-like
+    paths = ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers")
+    for path in (*paths, "body.layers", "body.h"):
         module = model
         for part in path.split("."):
             module = getattr(module, part, None)
@@ -70,11 +72,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     )
 
 
+def is_meta(model: torch.nn.Module) -> bool:
+    """True for a model built on the meta device (no storage: its values come from rank 0)."""
+    return any(p.is_meta for p in model.parameters())
+
+
 def shard_model(model: torch.nn.Module, cfg: ParallelConfig) -> torch.nn.Module:
-    """Shard `model` in place over all ranks (FSDP2) and return it."""
+    """Shard `model` in place over all ranks (FSDP2) and return it. A model on the meta device
+    stays there (`load_from_rank0` gives it storage and values)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model.to(env.device())
+    if not is_meta(model):
+        model.to(env.device())
     kwargs = {}
     if cfg.fsdp_mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -85,6 +94,32 @@ def shard_model(model: torch.nn.Module, cfg: ParallelConfig) -> torch.nn.Module:
         # a plain SUM reduction (also the only one gloo has): no division, no pre-multiply
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def shard_from_rank0(model: torch.nn.Module, cfg: ParallelConfig) -> torch.nn.Module:
+    """Shard `model`, whose values only rank 0 holds (the other ranks built it on the meta
+    device), and give every rank its shards of them. No rank but 0 ever holds the full model:
+    `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)` sends rank 0's
+    tensors one at a time and each rank keeps its shard. Buffers (the rotary frequencies are not
+    in the state dict) are not sharded; they are broadcast whole. Values are copied bit for bit.
+    A collective: every rank calls it, in the same order for every model."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not env.is_distributed():
+        return shard_model(model, cfg)
+    # rank 0's full values, kept alive past fully_shard (which replaces the parameters)
+    full = {k: v.detach() for k, v in model.state_dict().items()} if env.is_main() else {}
+    shard_model(model, cfg)
+    if is_meta(model) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device=env.device())
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    del full
+    with torch.no_grad():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
     return model
 
 
@@ -128,10 +163,21 @@ def shard_run_models(
     import copy
 
     if generation_copy:
-        generation_copy = copy.deepcopy(model).requires_grad_(False).to(env.device())
+        generation_copy = copy.deepcopy(model).requires_grad_(False)
+        # on the meta device on ranks other than 0: given storage, then rank 0's values below
+        if is_meta(generation_copy):
+            generation_copy.to_empty(device=env.device())
+            # to_empty gives the tied LM head storage of its own: tie it to the embedding again
+            # (copy_full_weights fills each shared tensor once, under its first name)
+            if hasattr(generation_copy, "tie_weights"):
+                generation_copy.tie_weights()
+        else:
+            generation_copy.to(env.device())
     else:
         generation_copy = None
-    shard_model(model, cfg)
+    shard_from_rank0(model, cfg)
     if reference is not None:
-        shard_model(reference, cfg)
+        shard_from_rank0(reference, cfg)
+    if generation_copy is not None:
+        copy_full_weights(model, generation_copy)  # parameters and buffers, gathered
     return model, reference, generation_copy

@@ -1,4 +1,4 @@
-"""A remote rollout engine (SGLang servers, `mileage serve`) under torchrun.
+"""A remote rollout engine (SGLang servers, `mileage serve`, vLLM) under torchrun.
 
 Rank 0 talks to the servers; every rank gets the completions:
 - `generate`: rank 0 sends the requests (each row seeded by `SamplingSeed.row_seed`, so the
@@ -6,8 +6,9 @@ Rank 0 talks to the servers; every rank gets the completions:
   completions; the other ranks wait for them in that broadcast.
 - `update_weights` (disk sync): every rank takes part in gathering each sharded tensor's full
   value, one tensor at a time; rank 0 alone keeps them (on the CPU), writes the HF directory the
-  servers reload (`config.json` + `model.safetensors`, staged then renamed) and asks the servers
-  to load it. No rank holds a second full model for generation.
+  servers reload (`config.json` + `model.safetensors`, staged then renamed; for vLLM with an LM
+  head of its own) and asks the servers to load it (a vLLM server mileage launches is started
+  from the first one). No rank holds a second full model for generation.
 - `--rollout-weight-sync broadcast`: bucket by bucket, every rank gathers the bucket's tensors
   from the shards and rank 0 casts them to the servers' dtype and broadcasts them to the servers
   (SGLang's update_weights_from_distributed); at most one bucket of full tensors at a time.
@@ -27,6 +28,7 @@ from mileage.checkpoint.tensors import model_tensors
 from mileage.distributed import env
 from mileage.distributed.parallelize import full_value
 from mileage.errors import UserError
+from mileage.faults import fault_point
 from mileage.models.hf import write_atomically
 from mileage.rollout.engine import Completion, SamplingParams
 
@@ -74,6 +76,8 @@ class RemoteEngineOnRank0:
 
     def __init__(self, engine):
         self.by_broadcast = getattr(engine, "broadcast", None) is not None
+        # vLLM reloads from a directory with an LM head of its own (`vllm.untie_on_disk`)
+        self.untie_head = getattr(engine, "needs_untied_head", False)
         # the other ranks never talk to the servers: their copy of the engine is closed now
         if not env.is_main():
             engine.close()
@@ -87,9 +91,16 @@ class RemoteEngineOnRank0:
             return
         tensors = gather_full_weights(model)  # all ranks
         config = model.config
+        embedding = model.get_input_embeddings().weight
+        head = next(n for n, p in model.named_parameters() if p is embedding)
 
         def load() -> None:
             path = write_hf_weights(config, tensors, self.engine.weights.path)
+            if self.untie_head and getattr(config, "tie_word_embeddings", False):
+                from mileage.rollout.engines.vllm import untie_head_on_disk
+
+                untie_head_on_disk(tensors[head], path)  # vLLM's reload skips a tied head
+            fault_point("mid_weight_sync")  # written, not yet loaded by the servers
             self.engine.load_weights_from(path, version)
 
         _on_rank0(load)
@@ -113,6 +124,9 @@ class RemoteEngineOnRank0:
                 except UserError as exc:
                     error = str(exc)
             del bucket
+            if index == 0 and len(buckets) > 1:
+                # on every rank: the servers hold the first bucket of the new weights only
+                fault_point("mid_weight_sync")
         if env.is_main() and error is None:
             sender = self.engine.broadcast
             sender.last_buckets = len(buckets)

@@ -91,8 +91,12 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> torc
     return model.eval()
 
 
-def empty_causal_lm(config_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The architecture of `config_dir` with uninitialised-then-overwritten weights (for native loads)."""
+def empty_causal_lm(
+    config_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> torch.nn.Module:
+    """The architecture of `config_dir` with uninitialised-then-overwritten weights (for native
+    loads); on `device` "meta", with no storage at all (torchrun ranks other than 0, which get
+    their shards from rank 0 after sharding)."""
     from transformers.initialization import no_init_weights
 
     from mileage.seeding import overwritten_allocations
@@ -103,7 +107,7 @@ def empty_causal_lm(config_dir: str | Path, dtype: torch.dtype = torch.float32) 
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read the model config of {config_dir}: {exc}") from None
     # the weights are loaded over right after: random init (1.5 s on SmolLM2) would be wasted
-    with no_init_weights(), overwritten_allocations():
+    with no_init_weights(), overwritten_allocations(), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # no_init_weights also skips the tying
     return model.eval()

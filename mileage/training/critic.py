@@ -28,6 +28,7 @@ from mileage.checkpoint.tensors import (
     optimizer_tensors,
 )
 from mileage.config import option
+from mileage.distributed import env
 from mileage.errors import UserError
 from mileage.models.hf import empty_causal_lm
 from mileage.models.tensors import model_tensors
@@ -162,8 +163,11 @@ class Critic:
             mask = batch.loss_mask[g_start : g_start + gbs]
             denominator = LossReducer.global_denominator(mask, self.per_token)
             self.optimizer.zero_grad(set_to_none=True)
-            for m_start in range(g_start, g_start + gbs, mbs):
-                part = batch.slice(m_start, m_start + mbs)
+            # under torchrun each rank takes its share of the global batch, as the actor does:
+            # the sharded critic's gradients are summed over ranks (never averaged), and every
+            # rank divides by the whole batch's denominator, so the sum is one process's gradient
+            for m_start, m_end in env.micro_batches(g_start, gbs, mbs):
+                part = batch.slice(m_start, m_end)
                 reduce = LossReducer(part.loss_mask, self.per_token, denominator)
                 per_token, clipped = value_loss(
                     sequence_values(self.model, part), part.values, part.returns, self.value_clip
@@ -182,13 +186,33 @@ class Critic:
             steps += 1
         self.model.eval()
         self.rollouts += 1
-        return {"value_loss": loss_total / steps, "value_clipfrac": clip_total / steps}
+        totals = env.sum_over_ranks({"value_loss": loss_total, "value_clipfrac": clip_total})
+        return {key: value / steps for key, value in totals.items()}
 
     def state_dict(self) -> dict:
         return {"step": self.step, "rollouts": self.rollouts}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.rollouts = int(state["step"]), int(state["rollouts"])
+
+
+def build_value_model(
+    actor_model: torch.nn.Module, critic_from: str | None, config_dir: str, seed: int
+) -> ValueModel:
+    """The critic's value model the plan names: weights from `critic_from`/critic/, else a copy
+    of the actor's starting weights (call before the actor trains, and under torchrun before
+    the actor is sharded) with a fresh value head; beside the actor, in its precision."""
+    # under torchrun, ranks other than 0 hold the actor on the meta device: so does their critic
+    # until it is sharded and given rank 0's values (`parallelize.shard_from_rank0`)
+    meta = any(p.is_meta for p in actor_model.parameters())
+    if critic_from is None:
+        body = copy.deepcopy(actor_model)
+    else:
+        body = empty_causal_lm(config_dir, device="meta" if meta else "cpu")
+    model = set_precision(ValueModel(body, seed).eval(), precision_of(actor_model))
+    if critic_from is not None and not meta:
+        load_tensors(Path(critic_from) / CRITIC_DIR / MODEL_DIR, into=model_tensors(model))
+    return model.to(next(actor_model.parameters()).device)  # the critic trains where the actor does
 
 
 def build_critic(
@@ -201,14 +225,12 @@ def build_critic(
     seed: int,
     total_steps: int,
     clip_grad: float,
+    model: ValueModel | None = None,
 ) -> Critic:
-    """The critic the plan names: weights from `critic_from`/critic/, else a copy of the actor's
-    starting weights (call before the actor trains) with a fresh value head."""
-    body = copy.deepcopy(actor_model) if critic_from is None else empty_causal_lm(config_dir)
-    model = set_precision(ValueModel(body, seed).eval(), precision_of(actor_model))
-    if critic_from is not None:
-        load_tensors(Path(critic_from) / CRITIC_DIR / MODEL_DIR, into=model_tensors(model))
-    model.to(next(actor_model.parameters()).device)  # the critic trains where the actor does
+    """The critic with its optimizer; `model` is its value model when already built (and
+    sharded, under torchrun), else `build_value_model` builds it from the other arguments."""
+    if model is None:
+        model = build_value_model(actor_model, critic_from, config_dir, seed)
     lr = optim.lr if cfg.critic_lr is None else cfg.critic_lr
     return Critic(
         model,

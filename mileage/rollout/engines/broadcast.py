@@ -96,8 +96,17 @@ def plan_buckets(sizes: dict[str, int], limit: int) -> list[list[str]]:
     return buckets
 
 
+def new_group_name() -> str:
+    """A group name of this trainer's own. Servers outlive trainers: after a kill the rerun
+    forms a new group with the same servers, which still hold the dead trainer's group, and
+    SGLang (like torch's c10d) refuses a second group under a name it already has."""
+    import uuid
+
+    return f"{GROUP_NAME}-{uuid.uuid4().hex[:16]}"  # not seeded: it changes nothing trained
+
+
 def update_request(
-    tensors: dict[str, torch.Tensor], version: int, last: bool = True
+    tensors: dict[str, torch.Tensor], version: int, last: bool = True, group: str = GROUP_NAME
 ) -> dict[str, Any]:
     """One bucket's `update_weights_from_distributed` body. Only the last bucket of an update
     carries the weight version and flushes the cache: SGLang relabels its weights with every
@@ -106,7 +115,7 @@ def update_request(
         "names": list(tensors),
         "dtypes": [dtype_name(t.dtype) for t in tensors.values()],
         "shapes": [list(t.shape) for t in tensors.values()],
-        "group_name": GROUP_NAME,
+        "group_name": group,
         "flush_cache": last,
     }
     if last:
@@ -137,6 +146,7 @@ class BroadcastWeights:
         self.buffer_size = DEFAULT_BUFFER_SIZE if buffer_size is None else buffer_size
         self.check = check  # what else the servers' /get_server_info must show (seeds)
         self.group: dist.ProcessGroup | None = None
+        self.group_name = GROUP_NAME  # set anew by every connect
         self.dtype: torch.dtype | None = None  # the servers' weights' dtype, cast to on send
         self.last_buckets = 0  # buckets of the last update (reported, and checked by tests)
 
@@ -185,6 +195,7 @@ class BroadcastWeights:
         world_size = 1 + sum(i.workers for i in infos)
         port = free_port()
         backend = "nccl" if device.type == "cuda" else "gloo"
+        self.group_name = new_group_name()
         payloads, offset = {}, 1
         for info in infos:
             payloads[info.url] = {
@@ -192,14 +203,14 @@ class BroadcastWeights:
                 "master_port": port,
                 "rank_offset": offset,
                 "world_size": world_size,
-                "group_name": GROUP_NAME,
+                "group_name": self.group_name,
                 "backend": backend,
             }
             offset += info.workers
         futures = self._posts("/init_weights_update_group", payloads)
         try:
             self.group = join_group(
-                self.address, port, 0, world_size, backend, GROUP_NAME, self.timeout
+                self.address, port, 0, world_size, backend, self.group_name, self.timeout
             )
         except (RuntimeError, OSError) as exc:
             raise UserError(
@@ -225,7 +236,7 @@ class BroadcastWeights:
         bucket = {n: t.detach().to(self.dtype).contiguous() for n, t in tensors.items()}
         futures = self._posts(
             "/update_weights_from_distributed",
-            dict.fromkeys(self.pool.urls, update_request(bucket, version, last)),
+            dict.fromkeys(self.pool.urls, update_request(bucket, version, last, self.group_name)),
         )
         try:
             for tensor in bucket.values():

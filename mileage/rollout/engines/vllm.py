@@ -132,7 +132,12 @@ def untie_on_disk(model: torch.nn.Module, path: Path) -> None:
     """
     if not getattr(model.config, "tie_word_embeddings", False):
         return
-    head = model.get_input_embeddings().weight.detach().contiguous().clone()
+    untie_head_on_disk(model.get_input_embeddings().weight.detach().contiguous().clone(), path)
+
+
+def untie_head_on_disk(head: torch.Tensor, path: Path) -> None:
+    """`untie_on_disk` given the (full) embedding weight: under torchrun rank 0 has it from the
+    gathered shards, not from a model of its own."""
     index = path / "model.safetensors.index.json"
     if index.is_file():  # sharded: one more shard, named in the index
         save_file({"lm_head.weight": head}, path / "lm_head.safetensors", {"format": "pt"})
@@ -224,6 +229,9 @@ def check_server_api(url: str, endpoint: str, why: str, timeout: float) -> None:
 
 class VLLMEngine:
     in_process = False
+    # the directories it reloads must carry an LM head of their own (`untie_on_disk`); the
+    # torchrun wrapper (`distributed.remote`) writes them so from the gathered shards
+    needs_untied_head = True
 
     def __init__(
         self,
@@ -255,6 +263,12 @@ class VLLMEngine:
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         path = self.weights.write(model)
         untie_on_disk(model, path)
+        self.load_weights_from(path, version)
+
+    def load_weights_from(self, path: Path, version: int) -> None:
+        """Every server reloads the HF directory at `path` (written with an untied head, see
+        `untie_on_disk`) as `version`; without --rollout-url the first call launches the
+        server from it. Under torchrun rank 0 writes the directory from the gathered shards."""
         self.weights_path = path
         if self.pool is None:
             self.server, url = launch_vllm(self.cfg, path, self.model_dir, self.log, self.dtype)
