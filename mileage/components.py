@@ -147,16 +147,25 @@ def _load_on_rank0(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
     holds the full model. A failure on rank 0 stops every rank with its line."""
     if not env.is_distributed():
         return _load_weights(path, fmt, config_dir)
-    model, error = None, None
-    if env.is_main():
-        try:
-            model = _load_weights(path, fmt, config_dir)
-        except UserError as exc:
-            error = str(exc)
-    error = env.broadcast_object(error)
-    if error is not None:
-        raise UserError(error)
+    model = _stop_together(lambda: _load_weights(path, fmt, config_dir) if env.is_main() else None)
     return model if env.is_main() else empty_causal_lm(config_dir, device="meta")
+
+
+def _stop_together(work):
+    """`work()` on every rank. Under torchrun only rank 0 reads weight files, so a refusal there
+    (a damaged or mismatched file) is sent to every rank and stops them all with its line, where
+    the others would otherwise wait in the next collective until its timeout."""
+    if not env.is_distributed():
+        return work()
+    result, error = None, None
+    try:
+        result = work()
+    except UserError as exc:
+        error = str(exc)
+    shared = env.broadcast_object(error if env.is_main() else None)
+    if shared is not None or error is not None:
+        raise UserError(shared if shared is not None else error)
+    return result
 
 
 def _hf_exporter(template: str | None, config_dir: str, log):
@@ -239,7 +248,9 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     # PPO: the critic starts from the actor's loaded weights, so it is copied before sharding
     value_model = None
     if plan.critic:
-        value_model = build_value_model(model, plan.critic_from, config_dir, cfg.loop.seed)
+        value_model = _stop_together(
+            lambda: build_value_model(model, plan.critic_from, config_dir, cfg.loop.seed)
+        )
     if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
         local = engine is not None and engine.in_process
         model, reference, generation_copy = shard_run_models(

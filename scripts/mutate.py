@@ -605,6 +605,14 @@ MUTANTS = [
         ("tests/test_distributed_load.py",),
     ),
     Mutant(
+        "rank0-refusal-not-shared",
+        "a refusal while rank 0 alone reads weights stops rank 0 only (the others hang)",
+        "mileage/components.py",
+        "shared = env.broadcast_object(error if env.is_main() else None)",
+        "shared = None",
+        ("tests/test_distributed_load.py",),
+    ),
+    Mutant(
         "dist-async-save-rng-of-rank-0-only",
         "a background save at N=2 keeps rank 0's RNG states only (the others are not gathered)",
         "mileage/distributed/checkpoint.py",

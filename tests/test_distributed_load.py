@@ -5,7 +5,8 @@ its shards of rank 0's values (and the buffers, and the generation copy its full
 One 2-rank launch of a small script (`PROBE`) on the built-in model checks, on each rank: the
 model it built held no storage before sharding (rank 1), every gathered parameter and every
 buffer equals the loaded model's bit for bit, the tied LM head is still the embedding (in the
-sharded model and in the generation copy), and the generation copy equals the loaded model.
+sharded model and in the generation copy), and the generation copy equals the loaded model;
+and that a refusal on rank 0 alone stops every rank with its line.
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ report = {
     "tied": [model.lm_head.weight is model.model.embed_tokens.weight,
              copy.lm_head.weight is copy.model.embed_tokens.weight],
 }
+# a refusal while rank 0 alone reads (a damaged critic/, say) stops every rank with its line
+from mileage.components import _stop_together
+from mileage.errors import UserError
+def refuse_on_rank0():
+    if env.is_main():
+        raise UserError("rank 0 refused the file")
+    return "rank 1 went on"
+try:
+    report["stopped"] = _stop_together(refuse_on_rank0)
+except UserError as exc:
+    report["stopped"] = f"UserError: {exc}"
 with open(f"{out}.{env.rank()}", "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()
@@ -72,3 +84,4 @@ def test_rank_0_alone_loads_and_every_rank_gets_exactly_its_values(builtin_model
         assert report["params_differ"] == [] and report["reference_differs"] == []
         assert report["buffers_differ"] == [] and report["copy_differs"] == []
         assert report["tied"] == [True, True]
+        assert report["stopped"] == "UserError: rank 0 refused the file"
