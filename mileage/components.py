@@ -74,12 +74,8 @@ from mileage.seeding import capture_rng_state, configure_determinism, restore_rn
 from mileage.tracking import build_trackers, new_wandb_run_id
 from mileage.training.actor import Actor
 from mileage.training.critic import build_critic, critic_checkpoint_state, restore_critic
-from mileage.training.lora import (
-    LoraPolicy,
-    MergedWeightsEngine,
-    build_lora_policy,
-    refuse_adapter_without_lora,
-)
+from mileage.training.lora import LoraPolicy, build_lora_policy, refuse_adapter_without_lora
+from mileage.training.lora_sync import AdapterSyncEngine, MergedWeightsEngine, takes_adapters
 from mileage.training.optimizer import build_optimizer, build_schedule
 
 
@@ -192,7 +188,12 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     if not cfg.rollout.load_debug_rollout_data:
         engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
         if lora is not None and not engine.in_process:
-            engine = MergedWeightsEngine(engine, lora, config_dir, log)
+            # the adapter alone where the engine takes adapters, else merged weights
+            engine = (
+                AdapterSyncEngine(engine, lora, config_dir, cfg.lora.lora_sync_from_tensor, log)
+                if takes_adapters(engine)
+                else MergedWeightsEngine(engine, lora, config_dir, log)
+            )
     if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
         local = engine is not None and engine.in_process
         model, reference, generation_copy = shard_run_models(

@@ -237,6 +237,12 @@ class RunConfig:
         self.engine.validate()
         self.mismatch.validate()
         self.lora.validate(env.world_size())
+        if self.lora.lora_sync_from_tensor and self.engine.rollout_engine != "sglang":
+            raise UserError(
+                "--lora-sync-from-tensor sends the adapter to `mileage serve` servers "
+                f"(--rollout-engine sglang); --rollout-engine {self.engine.rollout_engine} "
+                "does not take it"
+            )
         if self.lora.enabled and self.algo.advantage_estimator == "ppo":
             raise UserError(
                 "--lora-rank with --advantage-estimator ppo (a critic) is not supported yet; "
