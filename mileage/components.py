@@ -47,7 +47,7 @@ from mileage.models.hf import (
     load_tokenizer,
     read_config_json,
 )
-from mileage.models.lora import adapter_tensors
+from mileage.models.lora import MergedView, adapter_tensors
 from mileage.models.tensors import model_tensors
 from mileage.models.tiny import (
     ensure_builtin_model,
@@ -225,6 +225,8 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             cfg.loop.seed,
             plan.num_rollout * steps_per_rollout,
             cfg.optim.clip_grad,
+            # a LoRA actor: the critic starts from the actor's starting weights, merged
+            start_from=MergedView(lora.peft_model, config_dir).model if lora else None,
         )
         log(f"critic: {plan.critic_from or 'the actor weights'} + value head")
     actor = Actor(

@@ -243,11 +243,6 @@ class RunConfig:
                 f"(--rollout-engine sglang); --rollout-engine {self.engine.rollout_engine} "
                 "does not take it"
             )
-        if self.lora.enabled and self.algo.advantage_estimator == "ppo":
-            raise UserError(
-                "--lora-rank with --advantage-estimator ppo (a critic) is not supported yet; "
-                "use a critic-free estimator (grpo, gspo, reinforce_plus_plus) with LoRA"
-            )
         self.dynamic.validate()
         self.shaping.validate(r.rollout_max_response_len)
         if self.dynamic.enabled and env.world_size() > 1:

@@ -201,10 +201,17 @@ def build_critic(
     seed: int,
     total_steps: int,
     clip_grad: float,
+    start_from: torch.nn.Module | None = None,
 ) -> Critic:
     """The critic the plan names: weights from `critic_from`/critic/, else a copy of the actor's
-    starting weights (call before the actor trains) with a fresh value head."""
-    body = copy.deepcopy(actor_model) if critic_from is None else empty_causal_lm(config_dir)
+    starting weights (call before the actor trains; `start_from`: a plain model holding them,
+    for a LoRA actor its merged view) with a fresh value head. The critic trains all its
+    weights, also when the actor trains an adapter."""
+    if critic_from is None:
+        body = copy.deepcopy(start_from if start_from is not None else actor_model)
+        body.requires_grad_(True)  # a merged view is frozen; the critic's copy trains
+    else:
+        body = empty_causal_lm(config_dir)
     model = set_precision(ValueModel(body, seed).eval(), precision_of(actor_model))
     if critic_from is not None:
         load_tensors(Path(critic_from) / CRITIC_DIR / MODEL_DIR, into=model_tensors(model))
