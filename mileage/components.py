@@ -196,9 +196,11 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             )
     if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
         local = engine is not None and engine.in_process
-        model, reference, generation_copy = shard_run_models(
-            model, reference, cfg.parallel, generation_copy=local
+        # a LoRA reference is the sharded policy itself, run with its adapter off
+        model, sharded_reference, generation_copy = shard_run_models(
+            model, None if lora else reference, cfg.parallel, generation_copy=local
         )
+        reference = reference if lora else sharded_reference
         if engine is not None and not local:  # rank 0 drives the servers, no copy is kept
             engine = RemoteEngineOnRank0(engine)
         elif engine is not None:

@@ -236,7 +236,12 @@ class RunConfig:
             )
         self.engine.validate()
         self.mismatch.validate()
-        self.lora.validate(env.world_size())
+        self.lora.validate()
+        if self.lora.enabled and env.world_size() > 1 and self.engine.remote:
+            raise UserError(
+                "--lora-rank under torchrun generates with the in-process engine only for now "
+                "(--rollout-engine local); remote engines take a LoRA run in one process"
+            )
         if self.lora.lora_sync_from_tensor and self.engine.rollout_engine != "sglang":
             raise UserError(
                 "--lora-sync-from-tensor sends the adapter to `mileage serve` servers "

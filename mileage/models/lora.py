@@ -56,7 +56,7 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.lora_rank > 0
 
-    def validate(self, world_size: int) -> None:
+    def validate(self) -> None:
         if self.lora_rank < 0:
             raise UserError(f"--lora-rank must be >= 0 (0 disables LoRA), got {self.lora_rank}")
         if not self.enabled:
@@ -86,11 +86,6 @@ class LoraConfig:
             raise UserError(
                 "--lora-rank needs --target-modules: all-linear, or module names such as "
                 "q_proj,k_proj,v_proj,o_proj"
-            )
-        if world_size > 1:
-            raise UserError(
-                "--lora-rank is not supported under torchrun yet; train the adapter in one "
-                "process (python -m mileage train ..., or full weights under torchrun)"
             )
         require_peft()
 
