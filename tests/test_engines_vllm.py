@@ -78,7 +78,7 @@ class Handler(BaseHTTPRequestHandler):
             if not result["success"]:
                 return self.text(400, result["error_message"])
             with open(os.environ["FAKE_VLLM_RELOADS"], "a") as f:
-                f.write(f"{self.path} {body['lora_name']}\n")
+                f.write(f"{self.path} {body['lora_name']}\\n")
             return self.text(200, f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
         if self.path == "/reset_prefix_cache":
             return self.reply({"success": True})
