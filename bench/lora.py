@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--target-modules", default="all-linear")
     parser.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     parser.add_argument("--engine", choices=("local", "serve"), default="local")
+    parser.add_argument("--keep", help="run in this directory and keep the runs' saves")
     parser.add_argument("--out", default="lora")
     args = parser.parse_args()
     out = common.output_path(args.out)
@@ -128,8 +129,10 @@ def main() -> None:
 
         served = args.model if args.model != "tiny" else str(ensure_builtin_model("addition"))
     modes = SERVE_MODES if served else MODES
-    with tempfile.TemporaryDirectory(prefix="mileage-bench-lora-") as work:
-        rows = [run_mode(mode, base, lora, Path(work), served) for mode in modes]
+    with tempfile.TemporaryDirectory(prefix="mileage-bench-lora-") as scratch:
+        work = Path(args.keep) if args.keep else Path(scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        rows = [run_mode(mode, base, lora, work, served) for mode in modes]
     full, adapter = rows[0], rows[-1]
     ratio = adapter["checkpoint_mb"] / full["checkpoint_mb"]
     common.print_table(
