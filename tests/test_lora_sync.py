@@ -188,3 +188,34 @@ def test_a_lora_run_syncs_the_adapter_alone_to_mileage_serve(builtin_model, tmp_
     records = [r for r in records if r["rollout_id"] >= 0]
     assert records[-1]["global_step"] > 0
     assert all(0 <= r["logprob_abs_diff"] < 1e-5 for r in records), records
+
+
+@pytest.mark.parametrize(
+    ("info", "problem"),
+    [
+        ({}, "was started without --enable-lora"),
+        ({"enable_lora": True, "max_lora_rank": 4}, "--max-lora-rank 4 < --lora-rank 8"),
+        (
+            {"enable_lora": True, "lora_target_modules": ["q_proj", "v_proj"]},
+            "has no k_proj in its --lora-target-modules",
+        ),
+        ({"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"]}, None),
+    ],
+)
+def test_sglang_servers_say_whether_they_take_the_adapter(info, problem):
+    """What decides adapter-only against merged sync for SGLang: its /get_server_info."""
+    from mileage.errors import UserError
+    from mileage.rollout.engines.sglang import SGLangEngine
+    from mileage.testing.servers import FakeSGLang
+
+    fake = FakeSGLang(info)
+    try:
+        engine = SGLangEngine([fake.url], 50, 5.0, 1, 5.0, None)
+        said = engine.adapter_problem(8, ["q_proj", "k_proj", "v_proj"], from_tensor=False)
+        assert said is None if problem is None else problem in said, said
+        if problem is None:  # SGLang takes no safetensors tensors: one line, not a fallback
+            with pytest.raises(UserError, match="--lora-sync-from-tensor: .* is SGLang"):
+                engine.adapter_problem(8, ["q_proj"], from_tensor=True)
+        engine.close()
+    finally:
+        fake.stop()
