@@ -10,6 +10,12 @@ rollout; it reports:
     python bench/lora.py                                # built-in 3.2M model, a minute
     python bench/lora.py --model "$(mileage smollm2)"   # SmolLM2-135M-Instruct
     python bench/lora.py --rank 16 --rollouts 6 --target-modules all-linear
+    python bench/lora.py --engine serve   # weight sync to a `mileage serve` on this machine
+
+With `--engine serve` each mode trains against its own `mileage serve --dtype float32` server
+(`--rollout-engine sglang`) and the sync column is the remote weight sync: full weights for
+`full`, merged weights for `lora-merged` (a server without --enable-lora), the adapter alone
+from a directory for `lora-adapter` and inside the request for `lora-tensor`.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import _common as common
 from _common import median, spread
 
 MODES = ("full", "lora")
+SERVE_MODES = ("full", "lora-merged", "lora-adapter", "lora-tensor")
 
 
 def tree_bytes(path: Path) -> int:
@@ -48,16 +55,36 @@ def train_args(model: str, rollouts: int, threads: int) -> list[str]:
     return args
 
 
-def run_mode(mode: str, base_args: list[str], lora_args: list[str], work: Path) -> dict:
+def run_mode(
+    mode: str, base_args: list[str], lora_args: list[str], work: Path, served: str | None = None
+) -> dict:
+    """One training child; `served`: the HF directory a `mileage serve` for it serves."""
     save = work / mode
     cmd = [sys.executable, "-m", "mileage", "train", *base_args, "--save", str(save)]
-    if mode == "lora":
+    if mode != "full":
         cmd += lora_args
+    if mode == "lora-tensor":
+        cmd += ["--lora-sync-from-tensor"]
     env = {**os.environ, "PYTHONPATH": str(common.REPO), "OMP_NUM_THREADS": "1"}
+    server = None
+    if served is not None:
+        from mileage.testing.servers import start_servers
+
+        flags = (
+            "--dtype",
+            "float32",
+            *(() if mode in ("full", "lora-merged") else ("--enable-lora",)),
+        )
+        (server,) = start_servers(served, 1, env=env, args=flags)
+        cmd += ["--rollout-engine", "sglang", "--rollout-url", server.url, "--precision", "fp32"]
     started = time.perf_counter()
-    child = subprocess.Popen(cmd, cwd=common.REPO, env=env, stdout=subprocess.PIPE, text=True)
-    out = child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
+    try:
+        child = subprocess.Popen(cmd, cwd=common.REPO, env=env, stdout=subprocess.PIPE, text=True)
+        out = child.stdout.read()
+        _, status, usage = os.wait4(child.pid, 0)
+    finally:
+        if server is not None:
+            server.stop()
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode != 0:
         raise SystemExit(f"{mode}: mileage train exited {child.returncode}\n{out[-2000:]}")
@@ -84,6 +111,8 @@ def main() -> None:
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--target-modules", default="all-linear")
     parser.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
+    parser.add_argument("--engine", choices=("local", "serve"), default="local")
+    parser.add_argument("--keep", help="run in this directory and keep the runs' saves")
     parser.add_argument("--out", default="lora")
     args = parser.parse_args()
     out = common.output_path(args.out)
@@ -94,9 +123,17 @@ def main() -> None:
         "--target-modules", args.target_modules,
     ]  # fmt: skip
     before = common.load_average()
-    with tempfile.TemporaryDirectory(prefix="mileage-bench-lora-") as work:
-        rows = [run_mode(mode, base, lora, Path(work)) for mode in MODES]
-    full, adapter = rows
+    served = None
+    if args.engine == "serve":
+        from mileage.models.tiny import ensure_builtin_model
+
+        served = args.model if args.model != "tiny" else str(ensure_builtin_model("addition"))
+    modes = SERVE_MODES if served else MODES
+    with tempfile.TemporaryDirectory(prefix="mileage-bench-lora-") as scratch:
+        work = Path(args.keep) if args.keep else Path(scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        rows = [run_mode(mode, base, lora, work, served) for mode in modes]
+    full, adapter = rows[0], rows[-1]
     ratio = adapter["checkpoint_mb"] / full["checkpoint_mb"]
     common.print_table(
         rows,
@@ -116,6 +153,7 @@ def main() -> None:
         {
             "benchmark": "lora",
             "model": args.model,
+            "engine": args.engine,
             "flags": {"base": base, "lora": lora},
             "rows": rows,
             "lora_checkpoint_fraction": ratio,

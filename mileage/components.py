@@ -48,7 +48,7 @@ from mileage.models.hf import (
     load_tokenizer,
     read_config_json,
 )
-from mileage.models.lora import adapter_tensors
+from mileage.models.lora import MergedView, adapter_tensors
 from mileage.models.tensors import model_tensors
 from mileage.models.tiny import (
     ensure_builtin_model,
@@ -83,12 +83,8 @@ from mileage.training.critic import (
     critic_checkpoint_state,
     restore_critic,
 )
-from mileage.training.lora import (
-    LoraPolicy,
-    MergedWeightsEngine,
-    build_lora_policy,
-    refuse_adapter_without_lora,
-)
+from mileage.training.lora import LoraPolicy, build_lora_policy, refuse_adapter_without_lora
+from mileage.training.lora_sync import AdapterSyncEngine, MergedWeightsEngine, takes_adapters
 from mileage.training.optimizer import build_optimizer, build_schedule
 
 
@@ -244,18 +240,29 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     if not cfg.rollout.load_debug_rollout_data:
         engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
         if lora is not None and not engine.in_process:
-            engine = MergedWeightsEngine(engine, lora, config_dir, log)
-    # PPO: the critic starts from the actor's loaded weights, so it is copied before sharding
+            # the adapter alone where the engine takes adapters, else merged weights
+            engine = (
+                AdapterSyncEngine(engine, lora, config_dir, cfg.lora.lora_sync_from_tensor, log)
+                if takes_adapters(engine)
+                else MergedWeightsEngine(engine, lora, config_dir, log)
+            )
+    # PPO: the critic starts from the actor's loaded weights (a LoRA actor's merged), so it is
+    # copied before sharding
     value_model = None
     if plan.critic:
+        start = MergedView(lora.peft_model, config_dir).model if lora else None
         value_model = _stop_together(
-            lambda: build_value_model(model, plan.critic_from, config_dir, cfg.loop.seed)
+            lambda: build_value_model(
+                model, plan.critic_from, config_dir, cfg.loop.seed, start_from=start
+            )
         )
     if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
         local = engine is not None and engine.in_process
-        model, reference, generation_copy = shard_run_models(
-            model, reference, cfg.parallel, generation_copy=local
+        # a LoRA reference is the sharded policy itself, run with its adapter off
+        model, sharded_reference, generation_copy = shard_run_models(
+            model, None if lora else reference, cfg.parallel, generation_copy=local
         )
+        reference = reference if lora else sharded_reference
         if value_model is not None:  # sharded like the actor; saved as shards in critic/
             shard_from_rank0(value_model, cfg.parallel)
         if engine is not None and not local:  # rank 0 drives the servers, no copy is kept

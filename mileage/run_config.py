@@ -243,11 +243,17 @@ class RunConfig:
                 "tools) are not supported under torchrun yet"
             )
         self.mismatch.validate()
-        self.lora.validate(env.world_size())
-        if self.lora.enabled and self.algo.advantage_estimator == "ppo":
+        self.lora.validate()
+        if self.lora.enabled and env.world_size() > 1 and self.engine.remote:
             raise UserError(
-                "--lora-rank with --advantage-estimator ppo (a critic) is not supported yet; "
-                "use a critic-free estimator (grpo, gspo, reinforce_plus_plus) with LoRA"
+                "--lora-rank under torchrun generates with the in-process engine only for now "
+                "(--rollout-engine local); remote engines take a LoRA run in one process"
+            )
+        if self.lora.lora_sync_from_tensor and self.engine.rollout_engine != "sglang":
+            raise UserError(
+                "--lora-sync-from-tensor sends the adapter to `mileage serve` servers "
+                f"(--rollout-engine sglang); --rollout-engine {self.engine.rollout_engine} "
+                "does not take it"
             )
         self.dynamic.validate()
         if self.dynamic.partial_rollout and (

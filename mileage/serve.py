@@ -9,6 +9,9 @@ Endpoints (the SGLang request and reply shapes, the subset mileage uses):
   `output_token_logprobs` (`[log-prob, token id, null]` per token), `finish_reason`
   (`{"type": "stop", "matched": eos}` or `{"type": "length", "length": n}`), `prompt_tokens`,
   `completion_tokens` and `weight_version`.
+- LoRA adapters (SGLang's `/load_lora_adapter`, `/load_lora_adapter_from_tensors`,
+  `/unload_lora_adapter`, `/update_weight_version`, and `lora_path` in `/generate`):
+  `mileage/serve_lora.py`.
 - `POST /update_weights_from_disk`: `model_path` (an HF directory), optional `weight_version`;
   replies `{"success", "message", "num_paused_requests"}`.
 - `GET /get_server_info`: SGLang's fields that clients read: `tp_size`, `pp_size`, `dp_size`
@@ -49,6 +52,7 @@ from mileage.precision import BF16, FP32, resolve, set_precision, torch_dtype_na
 from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
 from mileage.rollout.sizes import kv_cache_problem, length_problem
 from mileage.seeding import configure_determinism
+from mileage.serve_lora import AdapterEndpoints, lora_name_of
 
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "sampling_seed", "top_k", "n"}
 
@@ -62,7 +66,7 @@ DTYPES = {"auto": "auto", "float32": FP32, "bfloat16": BF16}
 
 
 class EngineServer:
-    def __init__(self, hf_checkpoint: str, precision: str = FP32):
+    def __init__(self, hf_checkpoint: str, precision: str = FP32, enable_lora: bool = False):
         self.lock = threading.Lock()
         # every model it serves (the first and each reload) computes in this precision
         self.precision = precision
@@ -78,6 +82,7 @@ class EngineServer:
         self.generate_count = 0
         self.groups: dict = {}  # weight-update process groups by name
         self.pending: set[str] = set()  # tensors of an update whose last bucket is still to come
+        self.lora = AdapterEndpoints(self, enable_lora)
         kind, _, count = os.environ.get("MILEAGE_SERVE_FAULT", "").partition(":")
         self.fault = (kind, int(count)) if kind else None
 
@@ -90,6 +95,7 @@ class EngineServer:
                 model = load_causal_lm(path)
             except UserError as exc:
                 return {"success": False, "message": str(exc), "num_paused_requests": 0}
+            self.lora.adapters.reset()  # they were injected into the model being replaced
             self.engine.update_weights(set_precision(model, self.precision))
             self.model_path = path
             if body.get("weight_version") is not None:
@@ -99,6 +105,13 @@ class EngineServer:
             "message": "Succeeded to update model weights.",
             "num_paused_requests": 0,
         }
+
+    def update_weight_version(self, body: dict) -> dict:
+        if not isinstance(body.get("new_version"), (str, int)):
+            raise RequestError("new_version must be a string")
+        with self.lock:
+            self.weight_version = str(body["new_version"])
+        return {"success": True, "message": f"weight version {self.weight_version}"}
 
     def server_info(self) -> dict:
         """SGLang's fields that clients read: one worker, the weights' dtype, and seeds that are
@@ -114,6 +127,10 @@ class EngineServer:
             "enable_deterministic_inference": True,
             "weight_version": self.weight_version,
             "version": "mileage-serve",
+            # adapters of any rank on any linear layer (SGLang: --enable-lora)
+            "enable_lora": self.lora.enabled,
+            "max_lora_rank": None,
+            "lora_target_modules": None,
         }
 
     def init_weights_update_group(self, body: dict) -> dict:
@@ -152,6 +169,7 @@ class EngineServer:
         if not len(names) == len(dtypes) == len(shapes):
             raise RequestError("names, dtypes and shapes must have one entry per tensor")
         with self.lock:
+            self.lora.drop_all()  # full weights: the plain model's names, no adapter on top
             received = {}
             for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype))
@@ -198,10 +216,12 @@ class EngineServer:
             raise RequestError("input_ids must be non-empty lists of token ids in the vocabulary")
         params, generators = self._sampling(body.get("sampling_params") or {}, len(rows))
         self._check_sizes(rows, params.max_new_tokens)
+        adapter = lora_name_of(body, len(rows))
         with self.lock:
             self.generate_count += 1
             self._maybe_fail()
-            completions = self.engine.generate(rows, params, generators)
+            with self.lora.adapters.active(adapter):
+                completions = self.engine.generate(rows, params, generators)
             version = self.weight_version
         outputs = [self._output(c, version) for c in completions]
         if self.fault and self.fault[0] == "garbage" and self.generate_count >= self.fault[1]:
@@ -323,6 +343,10 @@ def make_handler(server: EngineServer):
                 "/update_weights_from_disk": server.update_weights,
                 "/init_weights_update_group": server.init_weights_update_group,
                 "/update_weights_from_distributed": server.update_weights_from_distributed,
+                "/update_weight_version": server.update_weight_version,
+                "/load_lora_adapter": server.lora.load_from_disk,
+                "/load_lora_adapter_from_tensors": server.lora.load_from_tensors,
+                "/unload_lora_adapter": server.lora.unload,
             }
             route = routes.get(self.path)
             if route is None:
@@ -348,10 +372,17 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 1024
 
 
-def serve(hf_checkpoint: str, host: str, port: int, num_threads: int, dtype: str = "auto") -> int:
+def serve(
+    hf_checkpoint: str,
+    host: str,
+    port: int,
+    num_threads: int,
+    dtype: str = "auto",
+    enable_lora: bool = False,
+) -> int:
     configure_determinism(0, num_threads)
     precision, why = resolve(DTYPES[dtype], torch.device("cpu"))
-    engine = EngineServer(hf_checkpoint, precision)
+    engine = EngineServer(hf_checkpoint, precision, enable_lora)
     try:
         httpd = Server((host, port), make_handler(engine))
     except OSError as exc:
@@ -371,7 +402,9 @@ def serve(hf_checkpoint: str, host: str, port: int, num_threads: int, dtype: str
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    return serve(args.hf_checkpoint, args.host, args.port, args.num_threads, args.dtype)
+    return serve(
+        args.hf_checkpoint, args.host, args.port, args.num_threads, args.dtype, args.enable_lora
+    )
 
 
 def register(sub) -> None:
@@ -392,5 +425,11 @@ def register(sub) -> None:
         default="auto",
         help="compute precision over fp32 weights, as vLLM/SGLang spell it; auto: bfloat16 where "
         "the CPU computes bf16 natively (AMX or AVX512-BF16), else float32 (default auto)",
+    )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="take LoRA adapters at run time (SGLang's flag and endpoints: /load_lora_adapter, "
+        "lora_path in /generate); a LoRA run then syncs the adapter alone",
     )
     parser.set_defaults(func=_cmd_serve)

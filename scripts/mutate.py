@@ -90,6 +90,11 @@ LORA_BASE = f"{LORA}::test_resuming_on_another_base_exits_2_naming_both"
 LORA_ADAPTER = f"{LORA}::test_lora_adapter_path_starts_from_an_exported_adapter_of_this_base_only"
 LORA_SERVE = f"{LORA}::test_mileage_serve_generates_with_the_merged_adapter"
 LORA_DROPOUT = f"{LORA}::test_dropout_masks_depend_on_seed_and_step_not_on_the_rng_stream"
+LORA_SYNC = "tests/test_lora_sync.py"
+LORA_SERVED = f"{LORA_SYNC}::test_served_adapter_generates_exactly_as_the_trainers_local_engine"
+LORA_SYNC_RUN = f"{LORA_SYNC}::test_a_lora_run_syncs_the_adapter_alone_to_mileage_serve"
+LORA_VLLM = "tests/test_engines_vllm.py::test_a_lora_run_syncs_the_adapter_alone_or_merged_weights"
+LORA_PPO = "tests/test_lora_ppo.py"
 DYNAMIC = "tests/test_dynamic_sampling.py"
 CORRECTIONS = "tests/test_corrections.py"
 DYNAMIC_ROUNDS = f"{DYNAMIC}::test_rounds_fill_the_batch_in_submission_order_and_buffer_the_rest"
@@ -1134,10 +1139,58 @@ MUTANTS = [
     Mutant(
         "lora-merged-sync-stale",
         "a remote engine keeps the merged weights of the start (the view is never refreshed)",
-        "mileage/training/lora.py",
+        "mileage/training/lora_sync.py",
         "        self.engine.update_weights(self.view.refresh(), version)\n",
         "        self.engine.update_weights(self.view.model, version)\n",
         (LORA_SERVE,),
+    ),
+    Mutant(
+        "lora-adapter-synced-once",
+        "a server that takes adapters gets the first version of the adapter only",
+        "mileage/training/lora_sync.py",
+        "        update = self._write(version)\n",
+        "        if self.said:\n            return\n        update = self._write(version)\n",
+        (LORA_SYNC_RUN,),
+    ),
+    Mutant(
+        "served-adapter-ignored",
+        "mileage serve generates with the base alone whatever adapter a request names",
+        "mileage/serve.py",
+        "            with self.lora.adapters.active(adapter):\n",
+        "            with self.lora.adapters.active(None):\n",
+        (LORA_SERVED,),
+    ),
+    Mutant(
+        "served-adapter-partial-load",
+        "mileage serve loads an adapter missing tensors (PEFT's random init stands in)",
+        "mileage/serve_lora.py",
+        "        if missing or unexpected:\n",
+        "        if unexpected:\n",
+        (LORA_SERVED,),
+    ),
+    Mutant(
+        "sglang-request-names-no-adapter",
+        "SGLang requests name no adapter after an adapter-only sync (the base generates)",
+        "mileage/rollout/engines/sglang.py",
+        "        if self.adapter is not None:\n",
+        "        if False:\n",
+        (LORA_SYNC_RUN,),
+    ),
+    Mutant(
+        "vllm-request-names-no-adapter",
+        "vLLM requests name the base model after an adapter-only sync",
+        "mileage/rollout/engines/vllm.py",
+        '"model": self.adapter.name if self.adapter is not None else SERVED_NAME,',
+        '"model": SERVED_NAME,',
+        (LORA_VLLM,),
+    ),
+    Mutant(
+        "lora-ppo-critic-copies-the-peft-model",
+        "a LoRA PPO run's critic is a copy of the adapted actor (PEFT layers, base frozen)",
+        "mileage/components.py",
+        "        start = MergedView(lora.peft_model, config_dir).model if lora else None\n",
+        "        start = None\n",
+        (LORA_PPO,),
     ),
     Mutant(
         "mis-rejected-tokens-in-denominator",

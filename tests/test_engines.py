@@ -382,7 +382,7 @@ def test_a_weight_sync_excludes_the_servers_that_missed_it_and_stops_when_all_di
     pool = ServerPool(["http://a", "http://b"], timeout=1.0, attempts=2, what="test rollout")
     answers = {"/load": {"http://a": None, "http://b": "refused"}, "/label": {}}
 
-    def broadcast(path, payload, timeout):
+    def broadcast(path, payload, timeout, text_ok=False):
         return {url: answers[path].get(url) for url in pool.urls}
 
     pool.broadcast = broadcast

@@ -36,14 +36,19 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--model"); parser.add_argument("--host"); parser.add_argument("--port", type=int)
 parser.add_argument("--served-model-name"); parser.add_argument("--tokenizer")
 parser.add_argument("--dtype", choices=["float32", "bfloat16"], required=True)
+parser.add_argument("--enable-lora", action="store_true"); parser.add_argument("--max-lora-rank", type=int)
 args, _ = parser.parse_known_args()
+# vLLM answers /v1/load_lora_adapter only with this set (FAKE_VLLM_NO_RUNTIME_LORA: as if unset)
+runtime_lora = (os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == "True"
+                and not os.environ.get("FAKE_VLLM_NO_RUNTIME_LORA"))
 # a child of the server, as vLLM's engine-core process is: it must die with the server
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 with open(os.environ["FAKE_VLLM_PIDS"], "a") as f:
     f.write(f"{os.getpid()} {child.pid}\\n")
 configure_determinism(0, 1)
 # --model holds weights only (no tokenizer); it computes in the --dtype the trainer asked for
-engine = EngineServer(args.tokenizer, {"float32": "fp32", "bfloat16": "bf16"}[args.dtype])
+engine = EngineServer(args.tokenizer, {"float32": "fp32", "bfloat16": "bf16"}[args.dtype],
+                      enable_lora=args.enable_lora)
 calls = []
 
 class Handler(BaseHTTPRequestHandler):
@@ -51,6 +56,10 @@ class Handler(BaseHTTPRequestHandler):
     def reply(self, body):
         data = json.dumps(body).encode()
         self.send_response(200); self.send_header("Content-Length", str(len(data)))
+        self.end_headers(); self.wfile.write(data)
+    def text(self, code, message):  # vLLM answers its LoRA endpoints with a sentence
+        data = message.encode()
+        self.send_response(code); self.send_header("Content-Length", str(len(data)))
         self.end_headers(); self.wfile.write(data)
     def do_GET(self):
         self.reply({})
@@ -62,11 +71,24 @@ class Handler(BaseHTTPRequestHandler):
             with open(os.environ["FAKE_VLLM_RELOADS"], "a") as f:
                 f.write(body["kwargs"]["weights_path"] + "\\n")
             return self.reply({"results": [None]})
+        if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            if not runtime_lora:
+                return self.text(404, '{"detail": "Not Found"}')
+            load = self.path == "/v1/load_lora_adapter"
+            assert not load or args.max_lora_rank >= 8
+            result = (engine.lora.load_from_disk if load else engine.lora.unload)(body)
+            if not result["success"]:
+                return self.text(400, result["error_message"])
+            with open(os.environ["FAKE_VLLM_RELOADS"], "a") as f:
+                f.write(f"{self.path} {body['lora_name']}\\n")
+            return self.text(200, f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
         if self.path == "/reset_prefix_cache":
             return self.reply({"success": True})
         if self.path == "/update_weight_version":
             return self.reply({"success": True, "new_version": body["new_version"]})
-        assert body["model"] == args.served_model_name and body["return_token_ids"]
+        adapter = None if body["model"] == args.served_model_name else body["model"]
+        assert adapter is None or adapter in engine.lora.adapters.paths, body["model"]
+        assert body["return_token_ids"]
         calls.append(body)
         if len(calls) == int(os.environ.get("FAKE_VLLM_DIE_AFTER", "0")):
             marker = os.environ.get("FAKE_VLLM_DIE_ONCE")  # else every instance dies
@@ -77,7 +99,7 @@ class Handler(BaseHTTPRequestHandler):
         assert body["top_k"] == 0 and body["repetition_penalty"] == 1.0
         out = engine.generate({"input_ids": body["prompt"], "sampling_params": {
             "max_new_tokens": body["max_tokens"], "temperature": body["temperature"],
-            "top_p": body["top_p"], "sampling_seed": body.get("seed")}})
+            "top_p": body["top_p"], "sampling_seed": body.get("seed")}, "lora_path": adapter})
         meta = out["meta_info"]
         pairs = meta["output_token_logprobs"]
         self.reply({"choices": [{"index": 0, "finish_reason": meta["finish_reason"]["type"],
@@ -386,3 +408,39 @@ def test_torchrun_n2_trains_through_a_vllm_server_that_rank_0_launches_and_resum
     assert all(o.intact and o.resumed and not o.problems for o in outcomes), table
     assert compare_runs(n2, killed) == []
     assert wait_dead(server_pids(fake_vllm)) == []
+
+
+LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear", "--lr", "2e-3"]
+
+
+@pytest.mark.parametrize("runtime_lora", [True, False], ids=["adapter", "no-runtime-lora"])
+def test_a_lora_run_syncs_the_adapter_alone_or_merged_weights(
+    cli, builtin_model, fake_vllm, tmp_path, runtime_lora
+):
+    """A launched server gets --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING: the base once,
+    then each version of the adapter alone (/v1/load_lora_adapter, the previous one unloaded),
+    requested as the `model`. A server that answers 404 there gets merged weights, said once."""
+    pytest.importorskip("peft")
+    env = fake_vllm if runtime_lora else {**fake_vllm, "FAKE_VLLM_NO_RUNTIME_LORA": "1"}
+    save = tmp_path / "run"
+    args = builtin_train_args("--rollout-engine", "vllm", "--vllm-python", sys.executable,
+                              "--vllm-start-timeout", "120", "--global-batch-size", "16",
+                              "--num-rollout", "2", "--precision", "fp32", *LORA)  # fmt: skip
+    done = cli("train", *args, "--save", save, env=env)
+    assert done.returncode == 0, done.stderr
+    records = read_metrics(save)
+    assert records[-1]["global_step"] > 0
+    assert all(r["logprob_abs_diff"] < 1e-4 for r in records), records
+    reloads = Path(fake_vllm["FAKE_VLLM_RELOADS"]).read_text().splitlines()
+    full = [line for line in reloads if not line.startswith("/v1/")]
+    if runtime_lora:
+        assert done.stdout.count("each update sends the adapter alone") == 1, done.stdout
+        assert "merged weights" not in done.stdout
+        assert len(full) == 1  # the base, at the first sync only
+        loads = [line.split()[1] for line in reloads if line.startswith("/v1/load")]
+        unloads = [line.split()[1] for line in reloads if line.startswith("/v1/unload")]
+        assert len(loads) == 3 and len(set(loads)) == 3 and unloads == loads[:-1], reloads
+    else:
+        assert done.stdout.count("given merged weights") == 1, done.stdout
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in done.stdout, done.stdout
+        assert len(full) == 4  # the base, then merged weights at every sync (the first again)

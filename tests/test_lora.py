@@ -434,12 +434,16 @@ def test_mileage_serve_generates_with_the_merged_adapter(builtin_model, tmp_path
     assert_adapter_learned(save)
 
 
-def test_lora_under_torchrun_is_refused_with_what_works_instead():
-    from mileage.errors import UserError
-    from mileage.models.lora import LoraConfig
-
-    with pytest.raises(
-        UserError, match="not supported under torchrun yet; train the adapter in one"
-    ):
-        LoraConfig(lora_rank=4, target_modules="q_proj").validate(world_size=2)
-    LoraConfig(lora_rank=4, target_modules="q_proj").validate(world_size=1)
+def test_lora_under_torchrun_with_a_remote_engine_is_one_line(
+    builtin_model, tmp_path, monkeypatch, capsys
+):
+    """LoRA runs under torchrun (tests/test_lora_fsdp.py) with the in-process engine; a remote
+    engine there is refused before anything starts."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    engine = ["--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9"]
+    args = builtin_train_args("--save", str(tmp_path / "run"), *LORA, *engine)
+    assert main(["train", *args]) == 2
+    assert "--lora-rank under torchrun generates with the in-process engine only" in (
+        one_error_line(capsys)
+    )
+    assert not (tmp_path / "run").exists()

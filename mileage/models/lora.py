@@ -42,6 +42,11 @@ class LoraConfig:
     exclude_modules: str | None = option(
         None, "comma-separated module names taken out of --target-modules"
     )
+    lora_sync_from_tensor: bool = option(
+        False,
+        "send the adapter to `mileage serve --enable-lora` servers inside the request "
+        "(/load_lora_adapter_from_tensors) instead of through a directory they read",
+    )
     lora_adapter_path: str | None = option(
         None,
         "start from this adapter (PEFT format: adapter_config.json + adapter_model.safetensors)",
@@ -51,7 +56,7 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.lora_rank > 0
 
-    def validate(self, world_size: int) -> None:
+    def validate(self) -> None:
         if self.lora_rank < 0:
             raise UserError(f"--lora-rank must be >= 0 (0 disables LoRA), got {self.lora_rank}")
         if not self.enabled:
@@ -63,6 +68,7 @@ class LoraConfig:
                     ("--target-modules", self.target_modules, None),
                     ("--exclude-modules", self.exclude_modules, None),
                     ("--lora-adapter-path", self.lora_adapter_path, None),
+                    ("--lora-sync-from-tensor", self.lora_sync_from_tensor, False),
                 )
                 if value != default
             ]
@@ -81,17 +87,13 @@ class LoraConfig:
                 "--lora-rank needs --target-modules: all-linear, or module names such as "
                 "q_proj,k_proj,v_proj,o_proj"
             )
-        if world_size > 1:
-            raise UserError(
-                "--lora-rank is not supported under torchrun yet; train the adapter in one "
-                "process (python -m mileage train ..., or full weights under torchrun)"
-            )
         require_peft()
 
     def record(self, targets: list[str]) -> dict:
         """What meta.json keeps of the adapter: enough to rebuild its shapes and scaling."""
         out = asdict(self)
         out.pop("lora_adapter_path")
+        out.pop("lora_sync_from_tensor")  # how the engines get it, not what the adapter is
         out.pop("exclude_modules")
         out["target_modules"] = targets
         return out
@@ -213,13 +215,14 @@ def merged_weight(layer) -> torch.Tensor:
 
 
 class MergedView:
-    """A plain model (HF names) holding the merged weights, for engines that take no adapter.
+    """A plain model (HF names) holding the merged weights, for engines that take no adapter
+    (or, with merged=False, the base alone: what an engine that takes adapters starts from).
 
     Non-adapted tensors share storage with the trainer's; only adapted matrices are new memory.
     `refresh()` recomputes them from the adapter.
     """
 
-    def __init__(self, peft_model, config_dir: str):
+    def __init__(self, peft_model, config_dir: str, merged: bool = True):
         from peft.tuners.lora import LoraLayer
 
         from mileage.models.hf import empty_causal_lm
@@ -236,8 +239,10 @@ class MergedView:
             if ".lora_" in name:
                 continue
             state[name.replace(".base_layer.", ".")] = value
-        for name in self.layers:
-            state[f"{name}.weight"] = torch.empty_like(state[f"{name}.weight"])
+        self.merged = merged  # False: the base alone, every tensor shared (no new memory)
+        if merged:
+            for name in self.layers:
+                state[f"{name}.weight"] = torch.empty_like(state[f"{name}.weight"])
         plain.load_state_dict(state, assign=True, strict=False)
         plain.tie_weights()
         # non-persistent buffers (rotary inv_freq) are not in a state dict: share them too
@@ -250,6 +255,8 @@ class MergedView:
 
     @torch.no_grad()
     def refresh(self) -> torch.nn.Module:
+        if not self.merged:
+            return self.model  # the base's own tensors, which never train
         params = dict(self.model.named_parameters())
         for name, layer in self.layers.items():
             params[f"{name}.weight"].copy_(merged_weight(layer))

@@ -197,16 +197,23 @@ class Critic:
 
 
 def build_value_model(
-    actor_model: torch.nn.Module, critic_from: str | None, config_dir: str, seed: int
+    actor_model: torch.nn.Module,
+    critic_from: str | None,
+    config_dir: str,
+    seed: int,
+    start_from: torch.nn.Module | None = None,
 ) -> ValueModel:
     """The critic's value model the plan names: weights from `critic_from`/critic/, else a copy
     of the actor's starting weights (call before the actor trains, and under torchrun before
-    the actor is sharded) with a fresh value head; beside the actor, in its precision."""
+    the actor is sharded; `start_from`: a plain model holding them, for a LoRA actor its merged
+    view) with a fresh value head; beside the actor, in its precision. The critic trains all its
+    weights, also when the actor trains an adapter."""
     # under torchrun, ranks other than 0 hold the actor on the meta device: so does their critic
     # until it is sharded and given rank 0's values (`parallelize.shard_from_rank0`)
     meta = any(p.is_meta for p in actor_model.parameters())
     if critic_from is None:
-        body = copy.deepcopy(actor_model)
+        body = copy.deepcopy(start_from if start_from is not None else actor_model)
+        body.requires_grad_(True)  # a merged view is frozen; the critic's copy trains
     else:
         body = empty_causal_lm(config_dir, device="meta" if meta else "cpu")
     model = set_precision(ValueModel(body, seed).eval(), precision_of(actor_model))

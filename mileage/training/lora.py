@@ -1,5 +1,5 @@
 """A LoRA run's policy: which base it trains on, where its adapter starts, what a checkpoint
-records of both, and the engine fallback for engines that take no adapter.
+records of both (remote engines' weight sync: training/lora_sync.py).
 
 A LoRA checkpoint is an ordinary checkpoint whose model/ holds the adapter tensors only (their
 optimizer state, RNG and trainer state are as in any checkpoint). Its meta.json `lora` entry
@@ -21,7 +21,6 @@ from mileage.errors import UserError
 from mileage.models.lora import (
     AdapterDisabled,
     LoraConfig,
-    MergedView,
     adapter_tensors,
     apply_lora,
     load_adapter,
@@ -128,21 +127,3 @@ def build_lora_policy(
         f"parameters train ({100 * trainable / total:.2f}%)"
     )
     return policy
-
-
-class MergedWeightsEngine:
-    """An engine that takes no adapter gets the merged weights (W + scale * B @ A) instead."""
-
-    def __init__(self, engine, policy: LoraPolicy, config_dir: str, log):
-        self.engine = engine
-        self.view = MergedView(policy.peft_model, config_dir)
-        log(
-            "LoRA: this rollout engine is given merged weights on every update (it takes no "
-            "adapter here); the in-process engine (--rollout-engine local) uses the adapter"
-        )
-
-    def update_weights(self, model: torch.nn.Module, version: int) -> None:
-        self.engine.update_weights(self.view.refresh(), version)
-
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)

@@ -24,8 +24,12 @@ class BadReply(Exception):
     """A server answered, but not with what was asked for (garbage, stale weights)."""
 
 
-def _json_reply(request: urllib.request.Request | str, timeout: float) -> Any:
-    """Send `request`, return the parsed reply; raises OSError/BadReply on failure."""
+def _json_reply(
+    request: urllib.request.Request | str, timeout: float, text_ok: bool = False
+) -> Any:
+    """Send `request`, return the parsed reply; raises OSError/BadReply on failure. With
+    `text_ok`, a 2xx body that is not JSON is returned as text (vLLM answers its LoRA endpoints
+    with a sentence)."""
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             body = reply.read()
@@ -42,16 +46,18 @@ def _json_reply(request: urllib.request.Request | str, timeout: float) -> Any:
     try:
         return json.loads(body)
     except ValueError:
+        if text_ok:
+            return body.decode(errors="replace")
         raise BadReply(f"reply is not JSON: {body[:80]!r}") from None
 
 
-def post_json(url: str, payload: Any, timeout: float) -> Any:
+def post_json(url: str, payload: Any, timeout: float, text_ok: bool = False) -> Any:
     """POST `payload` as JSON, return the parsed reply; raises OSError/BadReply on failure."""
     data = json.dumps(payload).encode()
     request = urllib.request.Request(
         url, data=data, headers={"Content-Type": "application/json"}, method="POST"
     )
-    return _json_reply(request, timeout)
+    return _json_reply(request, timeout, text_ok)
 
 
 def get_json(url: str, timeout: float) -> Any:
@@ -160,16 +166,21 @@ class ServerPool:
             # on an error, do not start what is still queued; requests in flight end by timeout
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def broadcast(self, path: str, payload: Any, timeout: float) -> dict[str, str | None]:
-        """POST to every server at once; per URL None (success) or the failure."""
+    def broadcast(
+        self, path: str, payload: Any, timeout: float, text_ok: bool = False
+    ) -> dict[str, str | None]:
+        """POST to every server at once; per URL None (success) or the failure (`text_ok`: a
+        2xx reply that is not JSON is a success)."""
 
         def one(url: str) -> str | None:
             try:
-                reply = post_json(url + path, payload, timeout)
+                reply = post_json(url + path, payload, timeout, text_ok)
             except (OSError, BadReply) as exc:
                 return describe(exc)
             if isinstance(reply, dict) and reply.get("success") is False:
-                return str(reply.get("message", "refused"))
+                # SGLang's weight updates say why in `message`, its LoRA updates in
+                # `error_message`
+                return str(reply.get("message") or reply.get("error_message") or "refused")
             return None
 
         with ThreadPoolExecutor(max_workers=max(1, len(self.urls))) as pool:
@@ -182,6 +193,7 @@ class ServerPool:
         timeout: float,
         failed_before: dict[str, str] | None = None,
         on_failure: Callable[[str, str, str], None] | None = None,
+        text_ok: bool = False,
     ) -> None:
         """Every server runs the weight-sync `steps` ((path, payload) POSTs, in order) for
         weight `version`. A server that failed any step, or is in `failed_before` (url -> why:
@@ -191,7 +203,7 @@ class ServerPool:
         step first (it may raise to stop the run, e.g. when the server lacks the endpoint)."""
         failed: dict[str, str] = dict(failed_before or {})
         for path, payload in steps:
-            for url, why in self.broadcast(path, payload, timeout).items():
+            for url, why in self.broadcast(path, payload, timeout, text_ok).items():
                 if why is not None:
                     if on_failure is not None:
                         on_failure(url, path, why)

@@ -36,6 +36,10 @@ class ServerInfo:
     workers: int  # tp * pp * dp: the ranks this server brings to a weight-update group
     dtype: str  # as the server reports it: "auto", "bfloat16", ...
     deterministic: bool  # honours sampling_seed
+    lora: bool = False  # started with --enable-lora: takes adapters at run time
+    max_lora_rank: int | None = None  # None: not fixed at launch (inferred, or any)
+    lora_targets: tuple[str, ...] | None = None  # --lora-target-modules; None: not fixed
+    mileage_serve: bool = False  # `mileage serve`, not SGLang
 
 
 def _positive(info: dict, key: str) -> int:
@@ -57,6 +61,12 @@ def parse_server_info(url: str, info: Any) -> ServerInfo:
         workers=workers,
         dtype=str(info.get("dtype") or "auto"),
         deterministic=info.get("enable_deterministic_inference") is True,
+        lora=info.get("enable_lora") is True,
+        max_lora_rank=rank if isinstance(rank := info.get("max_lora_rank"), int) else None,
+        lora_targets=tuple(targets)
+        if isinstance(targets := info.get("lora_target_modules"), list)
+        else None,
+        mileage_serve=info.get("version") == "mileage-serve",
     )
 
 

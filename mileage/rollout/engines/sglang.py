@@ -26,6 +26,12 @@ import torch
 from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.rollout.engine import Completion, SamplingParams
+from mileage.rollout.engines.adapters import (
+    TENSOR_FORMAT,
+    AdapterUpdate,
+    encode_tensors,
+    sglang_adapter_problem,
+)
 from mileage.rollout.engines.base import SamplingSeed, check_sample
 from mileage.rollout.engines.broadcast import BroadcastWeights
 from mileage.rollout.engines.http import BadReply, ServerPool
@@ -83,6 +89,7 @@ class SGLangEngine:
             else None
         )
         self.weight_version = -1  # nothing synced yet: every reply is stale until then
+        self.adapter: str | None = None  # the LoRA adapter requests name (adapter-only sync)
 
     def _check(self, infos: list[ServerInfo]) -> None:
         check_seeds_honoured(
@@ -130,6 +137,54 @@ class SGLangEngine:
         )
         self.weight_version = version
 
+    def adapter_problem(self, rank: int, targets: list[str], from_tensor: bool) -> str | None:
+        """Why these servers cannot take a LoRA adapter (the run then syncs merged weights), or
+        None. Tensor updates are `mileage serve`'s (SGLang's tensor format is a pickle)."""
+        for url in self.pool.urls:
+            try:
+                info = read_server_info(url, self.sync_timeout)
+            except UserError:
+                continue  # down: the sync leaves it out until it answers again
+            problem = sglang_adapter_problem(info, rank, targets)
+            if problem:
+                return problem
+            if from_tensor and not info.mileage_serve:
+                raise UserError(
+                    f"--lora-sync-from-tensor: {url} is SGLang, whose tensor format is a "
+                    "pickle mileage does not send; drop the flag to sync the adapter through "
+                    "the disk (--rollout-weights-dir on a path the servers share)"
+                )
+        return None
+
+    def load_adapter(self, update: AdapterUpdate, version: int) -> None:
+        """Every server loads adapter `update.name` and labels its weights `version`; requests
+        name that adapter from now on. The previous adapter is then unloaded (best effort: a
+        server that cannot unload it only keeps a few megabytes)."""
+        unreachable = self._check_reachable()
+        # a server kept from an earlier launch of this run may hold this name already
+        self.pool.broadcast("/unload_lora_adapter", {"lora_name": update.name}, self.sync_timeout)
+        if update.tensors is not None:
+            load = (
+                "/load_lora_adapter_from_tensors",
+                {
+                    "lora_name": update.name,
+                    "config_dict": update.config,
+                    "serialized_tensors": encode_tensors(update.tensors),
+                    "load_format": TENSOR_FORMAT,
+                },
+            )
+        else:
+            load = ("/load_lora_adapter", {"lora_name": update.name, "lora_path": str(update.path)})
+        relabel = (
+            "/update_weight_version",
+            {"new_version": str(version), "abort_all_requests": False},
+        )
+        self.pool.sync([load, relabel], version, self.sync_timeout, unreachable)
+        previous, self.adapter = self.adapter, update.name
+        self.weight_version = version
+        if previous is not None and previous != update.name:
+            self.pool.broadcast("/unload_lora_adapter", {"lora_name": previous}, self.sync_timeout)
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -156,11 +211,14 @@ class SGLangEngine:
             if seed is not None:
                 one["sampling_seed"] = seed.row_seed(row)
             sampling.append(one)
-        return {
+        payload = {
             "input_ids": [list(prompts[row]) for row in rows],
             "sampling_params": sampling,
             "return_logprob": True,
         }
+        if self.adapter is not None:
+            payload["lora_path"] = [self.adapter] * len(rows)
+        return payload
 
     def _validator(self, prompts, rows: range, params: SamplingParams):
         def validate(reply) -> list[Completion]:

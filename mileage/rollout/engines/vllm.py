@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from mileage.errors import UserError
 from mileage.rollout.engine import Completion, SamplingParams
+from mileage.rollout.engines.adapters import AdapterRefused, AdapterUpdate
 from mileage.rollout.engines.base import SamplingSeed, check_sample
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.engines.http import BadReply, ServerPool, get_json, get_ok
@@ -69,6 +70,8 @@ CPU_LAUNCH_DEFAULTS = (
     # the share of host memory to reserve and does not start next to a trainer
     ("--kv-cache-memory-bytes", "1G"),
 )
+# vLLM's allowed --max-lora-rank values (a launched server gets the smallest >= --lora-rank)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # the first vLLM with POST /update_weight_version and reload_weights(weights_path=...)
 MIN_VLLM = "0.32"
 # a user's --gpu-memory-utilization only counts when no --kv-cache-memory-bytes is given
@@ -155,8 +158,26 @@ def untie_head_on_disk(head: torch.Tensor, path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def lora_launch_args(rank: int | None) -> list[str]:
+    """What a launched server needs to take adapters of `rank` at run time (none: no LoRA);
+    two adapters, since the new version is loaded before the old one is unloaded."""
+    if rank is None:
+        return []
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise UserError(
+            f"--lora-rank {rank}: vLLM serves adapters of rank {LORA_RANKS[-1]} at most"
+        )
+    return ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "2"]
+
+
 def launch_vllm(
-    cfg: EngineConfig, weights_dir: Path, tokenizer_dir: str, log, dtype: str = "float32"
+    cfg: EngineConfig,
+    weights_dir: Path,
+    tokenizer_dir: str,
+    log,
+    dtype: str = "float32",
+    lora_rank: int | None = None,
 ) -> tuple[ServerProcess, str]:
     python = Path(cfg.vllm_python) if cfg.vllm_python else default_vllm_python()
     if not python.exists():
@@ -168,10 +189,12 @@ def launch_vllm(
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights_dir),
         "--tokenizer", tokenizer_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-        *launch_args(cfg.vllm_args, dtype, on_cpu=runs_on_cpu(python)),
+        *launch_args(cfg.vllm_args, dtype, on_cpu=runs_on_cpu(python)), *lora_launch_args(lora_rank),
     ]  # fmt: skip
     log_path = Path(tempfile.mkdtemp(prefix="mileage-vllm-")) / "vllm.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if lora_rank is not None:  # /v1/load_lora_adapter answers only with this set
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     server = ServerProcess(command, log_path, env)
     url = f"http://127.0.0.1:{port}"
     log(f"launching vLLM on {url} (log: {log_path})")
@@ -254,6 +277,8 @@ class VLLMEngine:
         self.weight_version = -1
         self.weights_path: Path | None = None  # what a restarted server starts from
         self.restarts_left = cfg.vllm_restarts
+        self.lora_rank: int | None = None  # a launched server takes adapters of this rank
+        self.adapter: AdapterUpdate | None = None  # what requests name (adapter-only sync)
 
     def _pool(self, urls: list[str]) -> ServerPool:
         pool = ServerPool(urls, self.cfg.rollout_timeout, self.cfg.rollout_attempts, "vllm rollout")
@@ -271,9 +296,51 @@ class VLLMEngine:
         server from it. Under torchrun rank 0 writes the directory from the gathered shards."""
         self.weights_path = path
         if self.pool is None:
-            self.server, url = launch_vllm(self.cfg, path, self.model_dir, self.log, self.dtype)
+            self.server, url = self._launch(path)
             self.pool = self._pool([url])
         self._load(path, version)
+
+    def _launch(self, path: Path) -> tuple[ServerProcess, str]:
+        return launch_vllm(self.cfg, path, self.model_dir, self.log, self.dtype, self.lora_rank)
+
+    def adapter_problem(self, rank: int, targets: list[str], from_tensor: bool) -> str | None:
+        """None: a launched server is started to take adapters; a server given by --rollout-url
+        says at the first load whether it can (`load_adapter` raises AdapterRefused if not)."""
+        if from_tensor:
+            raise UserError(
+                "--lora-sync-from-tensor: vLLM loads adapters from a directory "
+                "(/v1/load_lora_adapter); drop the flag"
+            )
+        lora_launch_args(rank)  # a rank vLLM cannot serve stops the run here
+        self.lora_rank = rank
+        return None
+
+    def load_adapter(self, update: AdapterUpdate, version: int) -> None:
+        """Every server loads adapter `update.name` (`/v1/load_lora_adapter`); requests name it
+        as their model from now on, and the previous one is unloaded (best effort)."""
+        first = self.adapter is None
+
+        def refused(url: str, endpoint: str, why: str) -> None:
+            if first and endpoint == "/v1/load_lora_adapter":
+                hint = (
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+                    if "HTTP 404" in why
+                    else "--enable-lora and --max-lora-rank"
+                )
+                raise AdapterRefused(f"{url} cannot load adapters ({why}); start it with {hint}")
+            check_server_api(url, endpoint, why, self.sync_timeout)
+
+        steps = (
+            ("/v1/load_lora_adapter", {"lora_name": update.name, "lora_path": str(update.path)}),
+            ("/update_weight_version", {"new_version": str(version)}),
+        )
+        self.pool.sync(steps, version, self.sync_timeout, on_failure=refused, text_ok=True)
+        previous, self.adapter = self.adapter, update
+        self.weight_version = version
+        if previous is not None and previous.name != update.name:
+            self.pool.broadcast(
+                "/v1/unload_lora_adapter", {"lora_name": previous.name}, self.sync_timeout, True
+            )
 
     def _load(self, path: Path, version: int) -> None:
         """Every server reloads the weights at `path` and takes their version number."""
@@ -307,7 +374,7 @@ class VLLMEngine:
         payloads, validators = [], []
         for row, prompt in enumerate(prompts):
             payload = {
-                "model": SERVED_NAME,
+                "model": self.adapter.name if self.adapter is not None else SERVED_NAME,
                 "prompt": list(prompt),
                 "max_tokens": params.max_new_tokens,
                 "temperature": params.temperature,
@@ -338,11 +405,12 @@ class VLLMEngine:
             f"({self.restarts_left} more restart(s) allowed by --vllm-restarts)"
         )
         self.server.stop(grace=5.0)
-        self.server, url = launch_vllm(
-            self.cfg, self.weights_path, self.model_dir, self.log, self.dtype
-        )
+        self.server, url = self._launch(self.weights_path)
         self.pool = self._pool([url])
         self._load(self.weights_path, self.weight_version)
+        if self.adapter is not None:  # the new server has the base: give it the adapter again
+            adapter, self.adapter = self.adapter, None
+            self.load_adapter(adapter, self.weight_version)
 
     def _validator(self, prompt: list[int], params: SamplingParams):
         def validate(reply) -> Completion:

@@ -1,0 +1,74 @@
+"""LoRA under torchrun with FSDP2 (N=2): the PEFT-adapted policy is sharded like any model, the
+KL reference is the sharded policy with its adapter off, and the checkpoint holds the adapter
+alone (every rank's shards). A run killed at commit points on either rank resumes to the
+uninterrupted N=2 run's adapter and optimizer tensors, and its checkpoint reloads at N=1."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO
+
+from mileage.checkpoint.layout import checkpoint_path, read_tracker
+from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, load_tensors
+from mileage.testing.compare import compare_runs
+from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
+from mileage.testing.kills import Kill
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.slow
+
+NPROC = 2
+ARGS = [
+    "--num-rollout", "3",
+    "--rollout-batch-size", "4",
+    "--n-samples-per-prompt", "4",
+    "--global-batch-size", "8",
+    "--rollout-max-response-len", "4",
+    "--eval-interval", "0",
+    "--num-threads", "1",
+    "--lora-rank", "8",
+    "--lora-alpha", "16",
+    "--lora-dropout", "0.1",
+    "--target-modules", "all-linear",
+    "--use-kl-loss", "--kl-loss-coef", "0.05",
+    "--lr", "2e-3",
+]  # fmt: skip
+CHAIN = [
+    Kill.at("optimizer_step", rank=1),
+    Kill.at("save_after_model", rank=1),
+    Kill.at("commit_before_tracker", rank=0),
+    Kill.at("optimizer_step", 2, rank=0),
+]
+
+
+def torchrun_env() -> dict[str, str]:
+    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_model, tmp_path_factory):
+    save = tmp_path_factory.mktemp("lora_fsdp_reference") / "run"
+    done = run_uninterrupted(ARGS, save, nproc=NPROC, env=torchrun_env(), timeout=600)
+    assert "reference model: the base" in done.stdout and "(adapter disabled)" in done.stdout
+    return save
+
+
+def test_n2_lora_checkpoint_holds_the_trained_adapter_only(reference):
+    last = checkpoint_path(reference, read_tracker(reference).iteration)
+    adapter = load_tensors(last / MODEL_DIR)
+    assert adapter and all(".lora_" in name for name in adapter), sorted(adapter)[:3]
+    assert any(
+        n.endswith("lora_B.default.weight") and v.abs().sum() > 0 for n, v in adapter.items()
+    )
+    state = load_tensors(last / OPTIMIZER_DIR)
+    assert state and all(".lora_" in name for name in state), sorted(state)[:3]
+
+
+def test_n2_lora_kills_on_either_rank_resume_to_the_uninterrupted_tensors(reference, tmp_path):
+    save = tmp_path / "run"
+    outcomes = run_with_kills(
+        ARGS, save, CHAIN, max_reruns=2, nproc=NPROC, env=torchrun_env(), timeout=600
+    )
+    table = outcome_table(outcomes)
+    assert all(o.died and o.intact and o.resumed and not o.problems for o in outcomes), table
+    assert compare_runs(reference, save) == [], table
