@@ -54,7 +54,7 @@ WARMUP_RECIPE = {
 # Per task changes to the recipe. `addition-tool` trains a fixed number of steps: its greedy
 # accuracy is not the point of the warm-up (the direct answer should stay weak and the tool be
 # called only sometimes); what it needs is enough steps to write calls and copy results.
-TASK_RECIPES = {tool_task.TASK: {"max_steps": 500, "target_accuracy": None}}
+TASK_RECIPES = {tool_task.TASK: {"max_steps": 500, "target_accuracy": None, "threads": 1}}
 # The weights shipped in the package (mileage/models/builtin/TASK.safetensors, fp32, exactly as
 # `save_pretrained` writes them) and their sha256. A damaged install or a Git LFS pointer in
 # place of the file fails this pin instead of loading other weights. Rebuild and re-pin with
