@@ -76,6 +76,7 @@ class Producer:
             self.run.reward_fn,
             self.run.cfg.loop.seed,
             slot,
+            self.run.agent,
         )
 
     def groups_ahead(self) -> int:
@@ -186,6 +187,11 @@ def staleness_stats(groups: list[Group], trained: int, stale: int) -> dict:
 def train_async(run: Run, progress: RunProgress) -> list[dict]:
     cfg, plan, acfg = run.cfg, run.plan, run.cfg.asynchronous
     size = cfg.rollout.rollout_batch_size
+    if run.agent is not None and run.agent.user.rollout is not None:
+        raise UserError(
+            "--rollout-function-path is not supported by train-async (its producer draws the "
+            "prompts); use --custom-generate-function-path, which is"
+        )
     own_engine(run)
     start(run, progress)
     buffer = restored_buffer(run)

@@ -7,6 +7,7 @@ Everything here is plumbing; the algorithm itself reads top to bottom in `loop.p
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,7 @@ from mileage.models.tiny import (
 )
 from mileage.precision import set_precision
 from mileage.preflight import Preflight
+from mileage.rollout.agent import DEFAULT_CONTEXT, Agent
 from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
 from mileage.rollout.data import (
     EvalSet,
@@ -67,8 +69,10 @@ from mileage.rollout.dynamic import (
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.factory import build_engine
+from mileage.rollout.journal import JOURNAL_DIR
 from mileage.rollout.rewards import RewardFn
 from mileage.rollout.rollout import PromptEncoder
+from mileage.rollout.sizes import context_length
 from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
 from mileage.tracking import build_trackers, new_wandb_run_id
@@ -105,6 +109,8 @@ class Run:
     buffer: RolloutBuffer | None = None
     group_filter: GroupFilter | None = None
     buffer_filter: BufferFilter | None = None
+    # how prompts become scored samples (single-turn, a generate function, the tool loop)
+    agent: Agent | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -251,11 +257,22 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             cfg.checkpoint.async_save,
             on_commit=_hf_exporter(cfg.checkpoint.save_hf, config_dir, log),
         )
+    encode = PromptEncoder(tokenizer, cfg.data.apply_chat_template)
+    model_config = read_config_json(config_dir)
+    agent = Agent(
+        cfg,
+        pre.user_functions,
+        tokenizer,
+        encode,
+        pre.reward_fn,
+        Path(cfg.checkpoint.save) / JOURNAL_DIR if cfg.checkpoint.save else None,
+        context_length(model_config) or DEFAULT_CONTEXT,
+    )
     return Run(
         cfg=cfg,
         plan=plan,
         tokenizer=tokenizer,
-        encode=PromptEncoder(tokenizer, cfg.data.apply_chat_template),
+        encode=encode,
         actor=actor,
         engine=engine,
         data=PromptSource(pre.prompts, cfg.data.rollout_shuffle, cfg.loop.seed),
@@ -271,7 +288,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             metrics_dir,
             build_trackers(cfg.tracking, metrics_dir, wandb_run_id, asdict(cfg)),
         ),
-        model_config=read_config_json(config_dir),
+        model_config=model_config,
         model_source=model_source(
             config_dir, None if cfg.checkpoint.hf_checkpoint else cfg.data.builtin_task
         ),
@@ -280,6 +297,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         buffer=new_buffer(cfg.dynamic, plan.start_rollout_id),
         group_filter=pre.group_filter,
         buffer_filter=pre.buffer_filter,
+        agent=agent,
     )
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 
+from mileage.checkpoint.plan import RESUME
 from mileage.components import Run, checkpoint_state, restore
 from mileage.distributed import env
 from mileage.distributed.coordination import preemption_guard
 from mileage.faults import fault_point
 from mileage.metrics import EVAL_BEFORE_TRAINING
 from mileage.progress import RunProgress
+from mileage.rollout.agent import tool_metrics
 from mileage.rollout.dynamic import sample_dynamic
 from mileage.rollout.evaluation import evaluate, rollout_passrate, summary
 from mileage.rollout.rollout import generate_samples, load_samples, save_samples
@@ -73,6 +75,34 @@ def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
         run.reward_fn,
         run.cfg.loop.seed,
         rollout_id,
+        run.agent,
+    )
+    if rc.save_debug_rollout_data and env.is_main():
+        save_samples(rc.save_debug_rollout_data, rollout_id, samples)
+    return samples
+
+
+def user_rollout(run: Run, rollout_id: int) -> list:
+    """--rollout-function-path: the user's function draws from the data source and returns the
+    rollout's samples (replayed from --load-debug-rollout-data like any other)."""
+    rc = run.cfg.rollout
+    if rc.load_debug_rollout_data:
+        return rollout_samples(run, rollout_id, run.data.next_batch(rc.rollout_batch_size))
+    samples = run.agent.run_rollout(
+        run.engine,
+        rollout_id,
+        run.data,
+        lambda prompts: generate_samples(
+            run.engine,
+            run.encode,
+            prompts,
+            run.sampling,
+            rc.n_samples_per_prompt,
+            run.reward_fn,
+            run.cfg.loop.seed,
+            rollout_id,
+            run.agent,
+        ),
     )
     if rc.save_debug_rollout_data and env.is_main():
         save_samples(rc.save_debug_rollout_data, rollout_id, samples)
@@ -84,6 +114,10 @@ def draw_rollout(run: Run, rollout_id: int) -> tuple[list, list, dict]:
     plain training draws one batch; dynamic sampling takes buffered groups, then samples rounds
     until the filter has kept a batch (`mileage.rollout.dynamic`)."""
     rc = run.cfg.rollout
+    if run.agent is not None and run.agent.user.rollout is not None:
+        fault_point("rollout_start")
+        samples = user_rollout(run, rollout_id)
+        return [s.prompt for s in samples[:: rc.n_samples_per_prompt]], samples, {}
     if run.buffer is None:
         prompts = run.data.next_batch(rc.rollout_batch_size)
         fault_point("rollout_start")
@@ -111,9 +145,17 @@ def sync_engine(run: Run) -> None:
         run.engine.update_weights(run.model, run.actor.step)
 
 
+def prune_tool_journal(run: Run) -> None:
+    """Drop the tool journal's entries that no rollout of this run can generate again: those of
+    slots before the checkpoint it starts from (all of them on a fresh start)."""
+    if run.agent is not None and env.is_main():
+        run.agent.journal.prune(run.plan.start_rollout_id if run.plan.action == RESUME else 1 << 62)
+
+
 def start(run: Run, progress: RunProgress) -> None:
     """Restore the run, hand the engine its weights, evaluate before training if asked."""
     restore(run, progress.print)
+    prune_tool_journal(run)
     sync_engine(run)  # a server may hold other weights than the ones just restored
     cfg = run.cfg
     if can_eval(run) and run.plan.start_rollout_id == 0 and not cfg.loop.skip_eval_before_train:
@@ -218,6 +260,7 @@ def rollout_record(
     rewards = [s.reward for s in samples]
     response_tokens = sum(len(s.response_ids) for s in samples)
     return {
+        **tool_metrics(samples),
         "rollout_id": rollout_id,
         "reward_mean": sum(rewards) / len(rewards),
         "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),

@@ -4,7 +4,7 @@ written, and the resume plan made from it (cheap: JSON and directory listings, n
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from mileage.checkpoint.layout import META, DirState
 from mileage.checkpoint.meta import recorded_model_dir, recorded_source, selected_checkpoint
@@ -19,6 +19,7 @@ from mileage.models.hf import (
 )
 from mileage.models.tiny import builtin_config, builtin_model_dir, builtin_tokenizer
 from mileage.precision import resolve
+from mileage.rollout.agent import UserFunctions, load_user_functions
 from mileage.rollout.data import EvalSet, Prompt, load_eval_sets, load_train_prompts, task_reward
 from mileage.rollout.dynamic import BufferFilter, GroupFilter, load_function, load_group_filter
 from mileage.rollout.evaluation import check_eval_lengths
@@ -70,6 +71,8 @@ class Preflight:
     reward_fn: RewardFn
     group_filter: GroupFilter | None = None  # --dynamic-sampling-filter-path
     buffer_filter: BufferFilter | None = None  # --buffer-filter-path
+    # --custom-generate-function-path, --rollout-function-path, the tool loop's flags
+    user_functions: UserFunctions = field(default_factory=UserFunctions)
 
 
 def require_directories(**paths: str | None) -> None:
@@ -90,6 +93,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     group_filter = load_group_filter(filter_path) if filter_path else None
     buffer_path = cfg.dynamic.buffer_filter_path
     buffer_filter = load_function(buffer_path, "--buffer-filter-path") if buffer_path else None
+    user_functions = load_user_functions(cfg.multiturn)
     check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)
     if cfg.checkpoint.hf_checkpoint:
@@ -139,4 +143,5 @@ def preflight(cfg: RunConfig) -> Preflight:
         reward_fn,
         group_filter,
         buffer_filter,
+        user_functions,
     )

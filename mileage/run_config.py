@@ -18,6 +18,7 @@ from mileage.rollout.data import DataConfig
 from mileage.rollout.dynamic import DynamicSamplingConfig
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.evaluation import EvalConfig
+from mileage.rollout.multiturn import MultiTurnConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
 from mileage.rollout.shaping import ShapingConfig
@@ -95,6 +96,7 @@ SECTIONS = (
     ("rollout", RolloutConfig, "rollout"),
     ("engine", EngineConfig, "rollout engine"),
     ("mismatch", MismatchConfig, "engine/trainer log-prob mismatch"),
+    ("multiturn", MultiTurnConfig, "multi-turn and tool-using rollouts (docs/multiturn.md)"),
     ("reward", RewardConfig, "reward"),
     ("dynamic", DynamicSamplingConfig, "dynamic sampling (DAPO)"),
     ("shaping", ShapingConfig, "overlong shaping and truncation masking"),
@@ -117,6 +119,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     dynamic: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
@@ -235,6 +238,19 @@ class RunConfig:
                 "--advantage-estimator ppo (a critic) is not supported under torchrun yet"
             )
         self.engine.validate()
+        self.multiturn.validate()
+        if self.multiturn.rollout_function_path and self.dynamic.dynamic_sampling_filter_path:
+            raise UserError(
+                "--rollout-function-path replaces the rollout that dynamic sampling draws; give "
+                "it or --dynamic-sampling-filter-path"
+            )
+        if env.world_size() > 1 and (
+            self.multiturn.multi_turn or self.multiturn.rollout_function_path
+        ):
+            raise UserError(
+                "multi-turn rollouts (--custom-generate-function-path, --rollout-function-path, "
+                "tools) are not supported under torchrun yet"
+            )
         self.mismatch.validate()
         self.lora.validate(env.world_size())
         if self.lora.enabled and self.algo.advantage_estimator == "ppo":

@@ -107,6 +107,8 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
         finally:
             if run.engine is not None:
                 run.engine.close()  # stops a launched server, removes synced weights
+            if run.agent is not None:
+                run.agent.close()  # ends the tool worker processes
     if records and records[-1].get("eval_accuracy") is not None:
         progress.print(f"final eval accuracy {records[-1]['eval_accuracy']:.3f}")
     return 0

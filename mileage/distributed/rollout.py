@@ -56,9 +56,11 @@ class ShardedGenerationEngine:
     ) -> list[Completion]:
         """`seed` as for `LocalEngine.generate` (a `SamplingSeed`, a generator or None)."""
         generator = seed.generator() if hasattr(seed, "generator") else seed
-        if params.greedy or generator is None:
+        if params.greedy or generator is None or isinstance(generator, list):
+            # a generator per row (RowSeeds) makes a row's sample independent of the rank
             mine = env.share(len(prompts))
-            local = self.engine.generate([prompts[i] for i in mine], params, generator)
+            part = [generator[i] for i in mine] if isinstance(generator, list) else generator
+            local = self.engine.generate([prompts[i] for i in mine], params, part)
         else:
             local = self._sample_groups(prompts, params, generator)
         return [c for part in env.all_gather_object(local) for c in part]

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mileage.rollout.data import Prompt
-from mileage.rollout.rollout import Sample, inadmissible
+from mileage.rollout.rollout import inadmissible
+from mileage.rollout.sample import Sample
 
 STATE_KEY = "rollout_buffer"
 
@@ -94,7 +95,7 @@ class RolloutBuffer:
             Group(
                 g["slot"],
                 g["policy_rollouts"],
-                [Sample(**{**s, "prompt": Prompt(**s["prompt"])}) for s in g["samples"]],
+                [Sample.from_record(s) for s in g["samples"]],
             )
             for g in state["groups"]
         )

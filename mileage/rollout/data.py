@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +52,43 @@ class DataConfig:
     eval_tool_key: str | None = option(
         None, "key of the evaluation data's tool specs (refused: tool calling is not supported yet)"
     )
+    tool_key: str = option(
+        "tools",
+        "JSONL key holding a record's tool specs (a list of OpenAI-style tool dicts), passed to "
+        "the chat template as tools= (miles' meaning); absent keys mean no tools",
+    )
+    metadata_key: str = option(
+        "metadata", "JSONL key holding a record's metadata dict (Sample.metadata; miles' meaning)"
+    )
 
 
 @dataclass(frozen=True)
 class Prompt:
     index: int  # position in the dataset; stable across runs
-    text: str
+    text: str  # the prompt text (for a message list: the last user message's content)
     label: str
+    # a chat prompt: the record's message list (rendered through the chat template)
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # the record's tool specs (--tool-key)
+    metadata: dict[str, Any] | None = None  # the record's metadata (--metadata-key)
+
+
+def prompt_from_record(
+    index: int, record: dict[str, Any], input_key: str, label_key: str, where: str
+) -> Prompt:
+    """One record's prompt: its input is a string or an OpenAI-style message list; its tools
+    and metadata come from the data config's keys when the caller found them."""
+    value = record[input_key]
+    messages = None
+    if isinstance(value, list):
+        if not value or not all(isinstance(m, dict) and "role" in m for m in value):
+            raise UserError(f"{where}: {input_key!r} must be a string or a list of messages")
+        messages = value
+        users = [m for m in value if m.get("role") == "user"]
+        text = str((users or value)[-1].get("content", ""))
+    else:
+        text = str(value)
+    return Prompt(index, text, str(record[label_key]), messages)
 
 
 @dataclass(frozen=True)
@@ -73,7 +103,12 @@ KEY_FLAGS = "--input-key/--label-key"
 
 
 def load_jsonl(
-    path: str, input_key: str, label_key: str, key_flags: str = KEY_FLAGS
+    path: str,
+    input_key: str,
+    label_key: str,
+    key_flags: str = KEY_FLAGS,
+    tool_key: str | None = None,
+    metadata_key: str | None = None,
 ) -> list[Prompt]:
     """Read prompts from JSONL, naming the file and line of the first bad record."""
     file = Path(path)
@@ -91,7 +126,17 @@ def load_jsonl(
             for key in (input_key, label_key):
                 if not isinstance(record, dict) or key not in record:
                     raise UserError(f"{path}:{lineno}: missing key {key!r} (set {key_flags})")
-            prompts.append(Prompt(len(prompts), str(record[input_key]), str(record[label_key])))
+            where = f"{path}:{lineno}"
+            prompt = prompt_from_record(len(prompts), record, input_key, label_key, where)
+            tools = record.get(tool_key) if tool_key else None
+            if tools is not None and not (
+                isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+            ):
+                raise UserError(f"{where}: {tool_key!r} must be a list of tool dicts")
+            metadata = record.get(metadata_key) if metadata_key else None
+            if metadata is not None and not isinstance(metadata, dict):
+                raise UserError(f"{where}: {metadata_key!r} must be a JSON object")
+            prompts.append(replace(prompt, tools=tools, metadata=metadata))
     if not prompts:
         raise UserError(f"prompt file is empty: {path}")
     return prompts
@@ -191,12 +236,18 @@ def _gym_evals(cfg: DataConfig) -> list[tuple[str, tuple[gym.GymSpec, Any, list[
 
 
 def load_prompts(
-    source: str, input_key: str, label_key: str, key_flags: str = KEY_FLAGS
+    source: str,
+    input_key: str,
+    label_key: str,
+    key_flags: str = KEY_FLAGS,
+    tool_key: str | None = None,
+    metadata_key: str | None = None,
 ) -> list[Prompt]:
-    """Prompts from a JSONL or Parquet file (by suffix); gym: specs go through `gym`."""
+    """Prompts from a JSONL or Parquet file (by suffix); gym: specs go through `gym`. Tools
+    and metadata (and message-list prompts) are read from JSONL."""
     if source.endswith(".parquet"):
         return load_parquet(source, input_key, label_key, key_flags)
-    return load_jsonl(source, input_key, label_key, key_flags)
+    return load_jsonl(source, input_key, label_key, key_flags, tool_key, metadata_key)
 
 
 def load_train_prompts(cfg: DataConfig) -> list[Prompt]:
@@ -204,7 +255,9 @@ def load_train_prompts(cfg: DataConfig) -> list[Prompt]:
         spec, _, entries = _gym_train(cfg)
         return _gym_prompts(spec, entries)
     if cfg.prompt_data:
-        return load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key)
+        return load_prompts(
+            cfg.prompt_data, cfg.input_key, cfg.label_key, KEY_FLAGS, cfg.tool_key, cfg.metadata_key
+        )
     return _from_records(builtin_task(cfg.builtin_task)[0])
 
 

@@ -16,7 +16,6 @@ run equals plain `mileage train` tensor for tensor.
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.rollout.buffer import Group, RolloutBuffer
 from mileage.rollout.data import Prompt
-from mileage.rollout.rollout import Sample
+from mileage.rollout.sample import Sample
+from mileage.rollout.userfn import load_function
 
 MILES_NONZERO_STD = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
 MILEAGE_NONZERO_STD = "mileage.rollout.dynamic.check_reward_nonzero_std"
@@ -111,21 +111,6 @@ def check_reward_nonzero_std(config: object, samples: list[Sample]) -> tuple[boo
     if any(r != rewards[0] for r in rewards):
         return True, None
     return False, f"zero_std_{round(rewards[0], 1)}"
-
-
-def load_function(path: str, flag: str) -> Callable:
-    """A user function imported from the path the user named (module.path.fn or module.path:fn)."""
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise UserError(f"{flag} must look like module.path.function, got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
-        raise UserError(f"{flag}: cannot import {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(f"{flag}: {module_name!r} has no function {attr!r}")
-    return fn
 
 
 def load_group_filter(path: str) -> GroupFilter:

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mileage.config import option
 from mileage.errors import UserError
 from mileage.rollout.data import Prompt
 from mileage.rollout.engines.base import Engine, SamplingParams, SamplingSeed
 from mileage.rollout.rewards import RewardFn, score_all
+from mileage.rollout.sample import Sample
+
+if TYPE_CHECKING:
+    from mileage.rollout.agent import Agent
 
 
 @dataclass
@@ -37,33 +42,34 @@ class RolloutConfig:
         return self.rollout_batch_size * self.n_samples_per_prompt
 
 
-@dataclass
-class Sample:
-    prompt: Prompt
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]  # of the generating policy, per response token
-    response: str
-    reward: float
-    finished: bool
-    weight_version: int | None = None  # of the weights that generated it (None: older files)
-    # per response token, the weight version that generated it (partial rollouts mix versions);
-    # None in files written before it was recorded
-    weight_versions: list[int] | None = None
-
-    def oldest_version(self) -> int | None:
-        """The oldest weight version among the sample's tokens (what its staleness counts)."""
-        if self.weight_versions:
-            return min(self.weight_versions)
-        return self.weight_version
-
-
 class PromptEncoder:
     """Turns prompt text into token ids, with the chat template when asked for."""
 
     def __init__(self, tokenizer, chat_template: bool):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+
+    def uses_template(self, prompt: Prompt) -> bool:
+        """Whether `prompt` is rendered through the chat template (a message list always is)."""
+        return self.chat_template or prompt.messages is not None
+
+    def prompt_ids(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+        """The ids of `prompt`: a message list, or its text with --apply-chat-template, through
+        the chat template (with `tools` as its tools=); plain text otherwise."""
+        if not self.uses_template(prompt):
+            return self(prompt.text)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(
+                f"prompt {prompt.index} is a message list, which needs a tokenizer with a chat "
+                "template; this tokenizer has none"
+            )
+        messages = prompt.messages or [{"role": "user", "content": prompt.text}]
+        extra = {"tools": tools} if tools else {}
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False, **extra
+            )
+        )
 
     def __call__(self, text: str) -> list[int]:
         if self.chat_template:
@@ -87,37 +93,68 @@ def generate_samples(
     reward_fn: RewardFn,
     seed: int,
     rollout_id: int,
+    agent: Agent | None = None,
 ) -> list[Sample]:
-    """`n_samples` scored answers per prompt; the samples of one prompt are contiguous."""
-    expanded = [p for p in prompts for _ in range(n_samples)]
-    ids = [encode(p.text) for p in expanded]
-    # greedy decoding draws nothing: no seed, so a remote engine may batch it freely
-    sampling_seed = None if params.greedy else SamplingSeed(seed, rollout_id)
-    completions = engine.generate(ids, params, sampling_seed, group_size=n_samples)
-    refused = inadmissible([c.weight_version for c in completions], engine.weight_version, 0)
+    """`n_samples` scored answers per prompt; the samples of one prompt are contiguous. With an
+    `agent` (every run has one) generation and scoring go through it: a generate function or the
+    built-in tool loop when one is set, rewards of any form (`score_samples`)."""
+    if agent is None:
+        samples = single_turn_samples(engine, encode, prompts, params, n_samples, seed, rollout_id)
+        rewards = score_all(
+            reward_fn, [(s.prompt.text, s.response, s.prompt.label) for s in samples]
+        )
+        for sample, reward in zip(samples, rewards, strict=True):
+            sample.reward = reward
+    else:
+        samples = agent.generate(
+            engine,
+            prompts,
+            params,
+            n_samples,
+            seed,
+            rollout_id,
+            lambda: single_turn_samples(
+                engine, encode, prompts, params, n_samples, seed, rollout_id
+            ),
+        )
+    refused = inadmissible([s.weight_version for s in samples], engine.weight_version, 0)
     if refused is not None:
         raise UserError(
             f"rollout {rollout_id}: the engine returned samples of weight version {refused}, "
             f"expected {engine.weight_version}; refusing to train on off-policy data"
         )
+    return samples
+
+
+def single_turn_samples(
+    engine: Engine,
+    encode: PromptEncoder,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    n_samples: int,
+    seed: int,
+    rollout_id: int,
+) -> list[Sample]:
+    """One answer per (prompt, sample) in one engine call, not yet scored (reward 0.0)."""
+    expanded = [p for p in prompts for _ in range(n_samples)]
+    ids = [encode.prompt_ids(p) for p in expanded]
+    # greedy decoding draws nothing: no seed, so a remote engine may batch it freely
+    sampling_seed = None if params.greedy else SamplingSeed(seed, rollout_id)
+    completions = engine.generate(ids, params, sampling_seed, group_size=n_samples)
     decode = encode.tokenizer.decode
-    texts = [decode(c.response_ids, skip_special_tokens=True) for c in completions]
-    rewards = score_all(
-        reward_fn, [(p.text, t, p.label) for p, t in zip(expanded, texts, strict=True)]
-    )
     return [
         Sample(
             p,
             c.prompt_ids,
             c.response_ids,
             c.logprobs,
-            t,
-            r,
+            decode(c.response_ids, skip_special_tokens=True),
+            0.0,
             c.finished,
             c.weight_version,
             [c.weight_version] * len(c.response_ids),
         )
-        for p, c, t, r in zip(expanded, completions, texts, rewards, strict=True)
+        for p, c in zip(expanded, completions, strict=True)
     ]
 
 
@@ -138,7 +175,8 @@ def save_samples(template: str, rollout_id: int, samples: list[Sample]) -> Path:
     path = Path(template.format(rollout_id=rollout_id))
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(json.dumps({"rollout_id": rollout_id, "samples": [asdict(s) for s in samples]}))
+    records = [s.to_record() for s in samples]
+    temp.write_text(json.dumps({"rollout_id": rollout_id, "samples": records}))
     os.replace(temp, path)
     return path
 
@@ -152,7 +190,7 @@ def load_samples(
         raise UserError(f"--load-debug-rollout-data: {path} does not exist (rollout {rollout_id})")
     try:
         records = json.loads(path.read_text())["samples"]
-        samples = [Sample(**{**r, "prompt": Prompt(**r["prompt"])}) for r in records]
+        samples = [Sample.from_record(r) for r in records]
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(
             f"--load-debug-rollout-data: {path} is not a mileage rollout file ({exc})"

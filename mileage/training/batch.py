@@ -19,7 +19,7 @@ import torch
 class TrainBatch:
     input_ids: torch.Tensor  # [N, L]
     attention_mask: torch.Tensor  # [N, L]
-    loss_mask: torch.Tensor  # [N, L-1] float, 1 on response tokens
+    loss_mask: torch.Tensor  # [N, L-1] float, 1 on the policy's response tokens (0: tool tokens)
     old_logprobs: torch.Tensor  # [N, L-1] generating policy
     rewards: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None = None
@@ -84,7 +84,8 @@ def pack_samples(samples, pad_id: int) -> TrainBatch:
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[row, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         attention_mask[row, : p + r] = 1
-        loss_mask[row, p - 1 : p + r - 1] = 1.0
+        # 1 on the policy's own tokens, 0 on tool/environment tokens (never trained)
+        loss_mask[row, p - 1 : p + r - 1] = torch.tensor(s.mask(), dtype=torch.float32)
         old_logprobs[row, p - 1 : p + r - 1] = torch.tensor(s.logprobs)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return TrainBatch(input_ids, attention_mask, loss_mask, old_logprobs, rewards)

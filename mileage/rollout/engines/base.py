@@ -22,7 +22,7 @@ from mileage.rollout.engine import Completion, SamplingParams
 from mileage.rollout.engines.http import BadReply
 from mileage.seeding import derive_seed, generator_for
 
-__all__ = ["Completion", "Engine", "SamplingParams", "SamplingSeed"]
+__all__ = ["Completion", "Engine", "RowSeeds", "SamplingParams", "SamplingSeed"]
 
 # remote row seeds fit a signed 32-bit integer
 ROW_SEED_MASK = (1 << 31) - 1
@@ -49,6 +49,21 @@ class SamplingSeed:
         return (
             derive_seed(self.seed, f"{self.purpose}/{self.rollout_id}/sample", row) & ROW_SEED_MASK
         )
+
+
+@dataclass(frozen=True)
+class RowSeeds:
+    """One seed per row of an engine call, each a pure function of its own key (multi-turn
+    rollouts: `mileage.rollout.client`), so a row's sample depends on nothing batched with it.
+    The in-process engine draws row i from `generator()[i]`; remote engines send `row_seed(i)`."""
+
+    seeds: tuple[int, ...]
+
+    def generator(self) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(s) for s in self.seeds]
+
+    def row_seed(self, row: int) -> int:
+        return self.seeds[row] & ROW_SEED_MASK
 
 
 def check_sample(
@@ -81,7 +96,7 @@ class Engine(Protocol):
         self,
         prompts: list[list[int]],
         params: SamplingParams,
-        seed: SamplingSeed | None = None,
+        seed: SamplingSeed | RowSeeds | None = None,
         group_size: int = 1,
     ) -> list[Completion]:
         """One completion per prompt, in order; prompts come in groups of `group_size`

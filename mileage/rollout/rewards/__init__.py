@@ -1,16 +1,19 @@
 """Rewards: miles' rule-based names, `remote_rm`, a reasoning-gym task's own scorer, or a user
 function loaded from `--custom-rm-path`.
 
-Every reward is `fn(prompt, response, label) -> float`. A custom one may be async; async ones
-are awaited concurrently for a whole rollout, and `remote_rm` sends a rollout's requests
-concurrently too. Which is used: `--custom-rm-path` if given, else `--rm-type`, else (the
+Every built-in reward is `fn(prompt, response, label) -> float`. A custom one may also be a
+function of the whole sample, `fn(config, sample)` (miles' `custom_rm(args, sample)`) or
+`fn(sample)`, which sees the token ids, loss mask, tool calls and metadata of a multi-turn
+trajectory; with `--group-rm` it is `fn(config, samples) -> list[float]` for one prompt's group.
+The form is told by how many positional parameters the function takes (3, 2 or 1). A custom one
+may be async; async ones are awaited concurrently for a whole rollout, and `remote_rm` sends a
+rollout's requests concurrently too. Which is used: `--custom-rm-path` if given, else `--rm-type`, else (the
 default) the task's scorer for `gym:` prompt data and `exact` for anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from mileage.config import option
 from mileage.errors import UserError
 from mileage.rollout.rewards.remote import RemoteReward
 from mileage.rollout.rewards.rules import BOXED, RULES, last_boxed
+from mileage.rollout.userfn import accepts, load_function, require_signature
 
 RewardFn = Callable[[str, str, str], float]
 RM_TYPES = (*RULES, *BOXED, "remote_rm", "boxed_remote_rm")
@@ -33,7 +37,15 @@ class RewardConfig:
         choices=RM_TYPES,
     )
     custom_rm_path: str | None = option(
-        None, "reward function as module.path:function, called as fn(prompt, response, label)"
+        None,
+        "reward function (module.path:fn or path/to/file.py:fn), called as fn(prompt, response, "
+        "label), fn(config, sample) (miles' custom_rm(args, sample)) or fn(sample), told apart "
+        "by its parameters; may be async",
+    )
+    group_rm: bool = option(
+        False,
+        "score each prompt's group at once: --custom-rm-path is fn(config, samples) -> one "
+        "reward per sample (miles' meaning)",
     )
     rm_url: str | None = option(None, "reward server for remote_rm: POST {prompt, response, label}")
     rm_timeout: float = option(30.0, "remote_rm: seconds to wait for one answer")
@@ -41,17 +53,16 @@ class RewardConfig:
     rm_max_concurrency: int = option(32, "remote_rm: requests in flight at once")
 
 
-def load_custom_reward(path: str) -> RewardFn:
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(f"--custom-rm-path must look like module.path:function, got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
-        raise UserError(f"--custom-rm-path: cannot import {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(f"--custom-rm-path: {module_name!r} has no function {attr!r}")
+def load_custom_reward(path: str, group_rm: bool = False) -> RewardFn:
+    """The user's reward, checked against the forms it may take (module docstring)."""
+    fn = load_function(path, "--custom-rm-path")
+    if group_rm:
+        require_signature(fn, "--custom-rm-path", 2, "fn(config, samples) -> list[float]")
+    elif not any(accepts(fn, n) for n in (3, 2, 1)):
+        raise UserError(
+            f"--custom-rm-path: {getattr(fn, '__qualname__', fn)} must be callable as "
+            "fn(prompt, response, label), fn(config, sample) or fn(sample)"
+        )
     return fn
 
 
@@ -71,7 +82,9 @@ def remote_reward(cfg: RewardConfig, boxed: bool) -> RemoteReward:
 def build_reward_fn(cfg: RewardConfig, task_scorer: RewardFn | None = None) -> RewardFn:
     """The run's reward; `task_scorer` is the prompt data's own scorer, if it has one."""
     if cfg.custom_rm_path:
-        return load_custom_reward(cfg.custom_rm_path)
+        return load_custom_reward(cfg.custom_rm_path, cfg.group_rm)
+    if cfg.group_rm:
+        raise UserError("--group-rm scores with a group function: give it with --custom-rm-path")
     if cfg.rm_type is None:
         return task_scorer or RULES["exact"]
     if cfg.rm_type in ("remote_rm", "boxed_remote_rm"):
@@ -90,3 +103,39 @@ def score_all(fn: RewardFn, items: list[tuple[str, str, str]]) -> list[float]:
 
         return [float(x) for x in asyncio.run(gather())]
     return [float(fn(*item)) for item in items]
+
+
+def _gather(calls: list) -> list:
+    """Results of `calls` (values or awaitables), the awaitables awaited concurrently."""
+    if not any(inspect.isawaitable(c) for c in calls):
+        return calls
+
+    async def gather() -> list:
+        return await asyncio.gather(*(_awaited(c) for c in calls))
+
+    return asyncio.run(gather())
+
+
+async def _awaited(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+def score_samples(
+    fn: RewardFn, samples: list, config: object, group_size: int, group_rm: bool = False
+) -> list[float]:
+    """One reward per sample, by the reward's form (module docstring); samples of one prompt
+    are `group_size` contiguous ones."""
+    if group_rm:
+        groups = [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
+        rewards = [float(r) for part in _gather([fn(config, g) for g in groups]) for r in part]
+        if len(rewards) != len(samples):
+            raise UserError(
+                f"--group-rm: the reward function returned {len(rewards)} rewards for "
+                f"{len(samples)} samples (one per sample of each group)"
+            )
+        return rewards
+    if hasattr(fn, "score_batch") or accepts(fn, 3):
+        return score_all(fn, [(s.prompt.text, s.response, s.prompt.label) for s in samples])
+    if accepts(fn, 2):
+        return [float(r) for r in _gather([fn(config, s) for s in samples])]
+    return [float(r) for r in _gather([fn(s) for s in samples])]

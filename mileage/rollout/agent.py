@@ -1,0 +1,257 @@
+"""How a run turns prompts into scored samples: single-turn, a user generate function, or the
+built-in tool loop; and, with `--rollout-function-path`, the user's whole rollout.
+
+`Agent` is built once per run (after preflight loaded and checked every user function) and is
+what both loops call through `mileage.rollout.rollout.generate_samples`; neither loop learns
+which engine or which generate function it has.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mileage.errors import UserError
+from mileage.rollout.client import TokenClient, TurnBatcher
+from mileage.rollout.data import Prompt
+from mileage.rollout.engines.base import Engine, SamplingParams
+from mileage.rollout.journal import ToolJournal
+from mileage.rollout.multiturn import GenerateContext, MultiTurnConfig, tool_loop
+from mileage.rollout.rewards import RewardFn, score_samples
+from mileage.rollout.sample import TOOL_ERROR, TOOL_TIMEOUT, Sample
+from mileage.rollout.tool_parsers import ToolFormat, tool_format
+from mileage.rollout.toolpool import ToolPool
+from mileage.rollout.userfn import load_function, require_signature
+
+GENERATE_SHAPE = "async def generate(ctx, sample, params) -> Sample"
+# the multi-turn length limit when neither --rollout-max-context-len nor the model's config
+# gives one
+DEFAULT_CONTEXT = 32768
+ROLLOUT_SHAPE = "fn(ctx, rollout_id, data_source, evaluation=False) -> list[Sample]"
+
+
+def load_tool_specs(path: str) -> list[dict[str, Any]]:
+    """--generate-tool-specs-path: a JSON list of tool specs (dicts)."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--generate-tool-specs-path: {path} does not exist")
+    try:
+        specs = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"--generate-tool-specs-path: {path} is not JSON ({exc})") from None
+    if not isinstance(specs, list) or not all(isinstance(s, dict) for s in specs):
+        raise UserError(f"--generate-tool-specs-path: {path} must hold a JSON list of tool specs")
+    return specs
+
+
+@dataclass
+class UserFunctions:
+    """The multi-turn user code, loaded and checked in preflight (before anything is written)."""
+
+    generate: Callable | None = None  # --custom-generate-function-path, or the tool loop
+    rollout: Callable | None = None  # --rollout-function-path
+    tool_specs: list[dict[str, Any]] | None = None
+    tool_format: ToolFormat | None = None
+
+
+def load_user_functions(cfg: MultiTurnConfig) -> UserFunctions:
+    """Every multi-turn flag checked: importable paths, signatures, JSON, parser names."""
+    cfg.validate()
+    out = UserFunctions(tool_format=tool_format(cfg.generate_tool_call_parser))
+    if cfg.custom_generate_function_path:
+        flag = "--custom-generate-function-path"
+        out.generate = load_function(cfg.custom_generate_function_path, flag)
+        require_signature(out.generate, flag, 3, GENERATE_SHAPE, coroutine=True)
+    elif cfg.generate_execute_tool_function_path:
+        out.generate = tool_loop
+    if cfg.generate_execute_tool_function_path:
+        flag = "--generate-execute-tool-function-path"
+        tool = load_function(cfg.generate_execute_tool_function_path, flag)
+        require_signature(tool, flag, 2, "fn(name, arguments) -> str")
+    if cfg.rollout_function_path:
+        flag = "--rollout-function-path"
+        out.rollout = load_function(cfg.rollout_function_path, flag)
+        require_signature(out.rollout, flag, 3, ROLLOUT_SHAPE)
+    if cfg.generate_tool_specs_path:
+        out.tool_specs = load_tool_specs(cfg.generate_tool_specs_path)
+    return out
+
+
+class Agent:
+    """Generates and scores one rollout's samples (module docstring)."""
+
+    def __init__(
+        self,
+        config: Any,
+        user: UserFunctions,
+        tokenizer: Any,
+        encode: Callable,
+        reward_fn: RewardFn,
+        journal_dir: str | Path | None,
+        context_len: int,
+    ):
+        self.config = config
+        self.cfg: MultiTurnConfig = config.multiturn
+        self.user = user
+        self.tokenizer = tokenizer
+        self.encode = encode
+        self.reward_fn = reward_fn
+        self.group_rm = config.reward.group_rm
+        self.context_len = self.cfg.rollout_max_context_len or context_len
+        self.journal = ToolJournal(journal_dir)
+        path = self.cfg.generate_execute_tool_function_path
+        self.pool = ToolPool(path, self.cfg.tool_timeout, self.cfg.tool_workers) if path else None
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.user.generate is not None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        tools = prompt.tools if prompt.tools is not None else self.user.tool_specs
+        return self.encode.prompt_ids(prompt, tools)
+
+    def score(self, samples: list[Sample], group_size: int) -> None:
+        rewards = score_samples(self.reward_fn, samples, self.config, group_size, self.group_rm)
+        for sample, reward in zip(samples, rewards, strict=True):
+            sample.reward = reward
+
+    def generate(
+        self,
+        engine: Engine,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        n_samples: int,
+        seed: int,
+        rollout_id: int,
+        single_turn: Callable[[], list[Sample]],
+    ) -> list[Sample]:
+        """`n_samples` scored samples per prompt, those of one prompt contiguous;
+        `single_turn()` generates them the single-turn way when no generate function is set."""
+        if not self.multi_turn:
+            samples = single_turn()
+        else:
+            samples = self._generate_multi_turn(
+                engine, prompts, params, n_samples, seed, rollout_id
+            )
+        self.score(samples, n_samples)
+        return samples
+
+    def _generate_multi_turn(self, engine, prompts, params, n_samples, seed, rollout_id):
+        batcher = TurnBatcher(engine)
+        coroutines, inputs = [], []
+        for position, prompt in enumerate(prompts):
+            ids = self.prompt_ids(prompt)
+            tools = prompt.tools if prompt.tools is not None else self.user.tool_specs
+            for index in range(n_samples):
+                row = position * n_samples + index
+                purpose = f"rollout/{rollout_id}/{position}/{index}"
+                client = TokenClient(batcher, params, (seed, purpose), row)
+                ctx = GenerateContext(
+                    client=client,
+                    tokenizer=self.tokenizer,
+                    config=self.config,
+                    rollout_id=rollout_id,
+                    prompt_position=position,
+                    sample_index=index,
+                    tools=tools,
+                    max_context_len=self.context_len,
+                    tool_format=self.user.tool_format,
+                    chat_template=self.encode.uses_template(prompt),
+                    _pool=self.pool,
+                    _journal=self.journal,
+                )
+                sample = Sample(
+                    prompt, list(ids), [], [], "", 0.0, False, engine.weight_version, [], []
+                )
+                inputs.append(sample)
+                coroutines.append(self.user.generate(ctx, copy.deepcopy(sample), params))
+        results = batcher.run(coroutines)
+        return [self._checked(r, s) for r, s in zip(results, inputs, strict=True)]
+
+    def _checked(self, result: Any, given: Sample) -> Sample:
+        flag = "--custom-generate-function-path"
+        if isinstance(result, list):
+            if len(result) != 1:
+                raise UserError(
+                    f"{flag}: the generate function returned {len(result)} samples for one; "
+                    "mileage trains groups of --n-samples-per-prompt samples, one per call"
+                )
+            result = result[0]
+        if not isinstance(result, Sample):
+            raise UserError(f"{flag}: the generate function returned {type(result).__name__}")
+        if result.prompt.index != given.prompt.index or result.prompt_ids != given.prompt_ids:
+            raise UserError(f"{flag}: the generate function changed the sample's prompt")
+        try:
+            result.check()
+        except ValueError as exc:
+            raise UserError(f"{flag}: the sample it returned is inconsistent: {exc}") from None
+        return result
+
+    def run_rollout(self, engine: Engine, rollout_id: int, data_source: Any, generate: Callable):
+        """--rollout-function-path: the user's whole rollout; `generate(prompts)` is the run's
+        own generation (what the rollout would do without the function)."""
+        ctx = RolloutContext(self.config, self.tokenizer, engine, self, generate)
+        samples = self.user.rollout(ctx, rollout_id, data_source, evaluation=False)
+        n = self.config.rollout.n_samples_per_prompt
+        expected = self.config.rollout.rollout_batch_size * n
+        flag = "--rollout-function-path"
+        if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
+            raise UserError(f"{flag}: the rollout function must return a list of Samples")
+        if len(samples) != expected:
+            raise UserError(
+                f"{flag}: the rollout function returned {len(samples)} samples; the run trains "
+                f"--rollout-batch-size x --n-samples-per-prompt = {expected}"
+            )
+        for start in range(0, expected, n):
+            if len({s.prompt.index for s in samples[start : start + n]}) != 1:
+                raise UserError(f"{flag}: each prompt's {n} samples must be contiguous")
+        for s in samples:
+            try:
+                s.check()
+            except ValueError as exc:
+                raise UserError(f"{flag}: a returned sample is inconsistent: {exc}") from None
+        return samples
+
+
+@dataclass
+class RolloutContext:
+    """What a --rollout-function-path function gets (besides rollout_id and the data source)."""
+
+    config: Any  # the RunConfig
+    tokenizer: Any
+    engine: Engine  # token ids in, completions out (engine.generate)
+    agent: Agent
+    generate: Callable[[list[Prompt]], list[Sample]]  # the run's own generation and scoring
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        return self.agent.prompt_ids(prompt)
+
+    def score(self, samples: list[Sample]) -> None:
+        """Set each sample's reward with the run's reward (groups of --n-samples-per-prompt)."""
+        self.agent.score(samples, self.config.rollout.n_samples_per_prompt)
+
+
+def tool_metrics(samples: list[Sample]) -> dict[str, float]:
+    """rollout/tool_calls, rollout/tool_errors, rollout/tool_timeouts, rollout/mean_turns and the
+    share of each stop reason (only for multi-turn samples: single-turn ones record none)."""
+    if not samples or all(s.stop_reason is None for s in samples):
+        return {}
+    calls = [c for s in samples for c in s.tool_calls]
+    metrics = {
+        "rollout/tool_calls": float(len(calls)),
+        "rollout/tool_errors": float(sum(c.status == TOOL_ERROR for c in calls)),
+        "rollout/tool_timeouts": float(sum(c.status == TOOL_TIMEOUT for c in calls)),
+        "rollout/mean_turns": sum(s.turns for s in samples) / len(samples),
+    }
+    for reason in sorted({s.stop_reason for s in samples if s.stop_reason}):
+        share = sum(s.stop_reason == reason for s in samples) / len(samples)
+        metrics[f"rollout/stop_{reason}"] = share
+    return metrics

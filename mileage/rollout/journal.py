@@ -1,0 +1,109 @@
+"""The tool journal: every tool call's outcome, appended and fsynced before the trajectory
+goes on, so a rerun of an interrupted rollout reads it back instead of calling the tool again.
+
+Tools are user code and need not be deterministic (a web search, a clock, a sandbox). A run
+killed halfway through a rollout regenerates that rollout from its last checkpoint; with the
+journal the regenerated trajectories get exactly the outputs the killed run got (the model's
+tokens are exact already), so they are the same trajectories, and the run continues bit for bit.
+
+Layout: `{save}/tool_journal/slot_{N}.jsonl`, one file per generation slot (rollout id; async
+and dynamic sampling slots), one JSON line per call keyed by (slot, prompt position, sample
+index, turn, call in turn). An entry is used only if the recorded request (tool name and
+arguments) equals the new one, so a journal can never hand a trajectory an output it did not
+ask for. A torn last line (a kill inside a write) is ignored: that call is made again.
+
+Pruning follows the checkpoint: slots below the one a run starts from can never be generated
+again, so `prune(start)` deletes their files when the run starts (after the plan chose its
+checkpoint) and after each committed save. A fresh start (no checkpoint) clears the journal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+JOURNAL_DIR = "tool_journal"
+
+
+def call_key(slot: int, prompt: int, sample: int, turn: int, call: int) -> str:
+    return f"{slot}/{prompt}/{sample}/{turn}/{call}"
+
+
+class ToolJournal:
+    """Append-only, fsynced record of tool outcomes in `directory` (None: kept in memory only,
+    for runs without --save, which cannot resume anyway)."""
+
+    def __init__(self, directory: str | Path | None):
+        self.directory = Path(directory) if directory is not None else None
+        self._loaded: dict[int, dict[str, dict[str, Any]]] = {}
+        self._lock = threading.Lock()  # train-async generates in a thread
+        self.replayed = 0  # calls answered from the journal (for tests and logs)
+
+    def _path(self, slot: int) -> Path:
+        assert self.directory is not None
+        return self.directory / f"slot_{slot}.jsonl"
+
+    def _entries(self, slot: int) -> dict[str, dict[str, Any]]:
+        if slot not in self._loaded:
+            entries: dict[str, dict[str, Any]] = {}
+            if self.directory is not None and self._path(slot).is_file():
+                for line in self._path(slot).read_text(encoding="utf-8").splitlines():
+                    try:
+                        entry = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a torn last line: that call is made again
+                    entries[entry["key"]] = entry
+            self._loaded[slot] = entries
+        return self._loaded[slot]
+
+    def lookup(
+        self, slot: int, key: str, name: str, arguments: dict[str, Any]
+    ) -> tuple[str, str] | None:
+        """(status, output) recorded for this call, or None to call the tool."""
+        with self._lock:
+            entry = self._entries(slot).get(key)
+            if entry is None or entry["name"] != name or entry["arguments"] != arguments:
+                return None
+            self.replayed += 1
+            return entry["status"], entry["output"]
+
+    def record(
+        self, slot: int, key: str, name: str, arguments: dict[str, Any], status: str, output: str
+    ) -> None:
+        """Append the call's outcome durably (fsync) before the trajectory uses it."""
+        entry = {
+            "key": key,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+            "output": output,
+        }
+        with self._lock:
+            self._entries(slot)[key] = entry
+            if self.directory is None:
+                return
+            self.directory.mkdir(parents=True, exist_ok=True)
+            line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+            fd = os.open(self._path(slot), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def prune(self, below: int) -> None:
+        """Delete the entries of slots < `below` (they are in a committed checkpoint's past)."""
+        with self._lock:
+            self._loaded = {s: e for s, e in self._loaded.items() if s >= below}
+            if self.directory is None or not self.directory.is_dir():
+                return
+            for path in self.directory.glob("slot_*.jsonl"):
+                try:
+                    slot = int(path.stem.removeprefix("slot_"))
+                except ValueError:
+                    continue
+                if slot < below:
+                    path.unlink(missing_ok=True)

@@ -1,0 +1,101 @@
+"""A sample: the prompt's token ids, then every token after them, with a per-token loss mask.
+
+`response_ids` holds everything after the prompt in the order the model saw it: the model's own
+turns and the tokens a tool or environment appended between them. `loss_mask[i]` says whether
+response token i was sampled by the policy (1: trained, its log-prob is the engine's) or came
+from outside (0: a tool's output, a chat template's role markers; never trained, its log-prob is a
+0.0 placeholder). The ids are the engine's ids exactly: nothing between turns is re-tokenized, the
+next turn's input is the previous ids plus the tool's ids.
+
+Files written before the mask existed load with `loss_mask = None`, which means all ones (every
+response token was the model's); `mask()` is what every reader uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mileage.rollout.data import Prompt
+
+# why a trajectory ended (`Sample.stop_reason`)
+STOP = "stop"  # the model ended its turn (EOS) without calling a tool
+LENGTH = "length"  # a turn hit its max new tokens, or the response budget ran out
+MAX_TURNS = "max_turns"  # --generate-max-turns model turns, the last one still calling a tool
+TOOL_ERROR = "tool_error"  # the tool raised, returned a non-string, or a call did not parse
+TOOL_TIMEOUT = "tool_timeout"  # a tool call ran past --tool-timeout (its worker was killed)
+STOP_REASONS = (STOP, LENGTH, MAX_TURNS, TOOL_ERROR, TOOL_TIMEOUT)
+
+
+@dataclass
+class ToolCall:
+    """One tool call of a trajectory and what came back, as recorded for exact replay."""
+
+    turn: int  # the model turn (0-based) whose text made the call
+    name: str
+    arguments: dict[str, Any]
+    status: str  # "ok", TOOL_ERROR or TOOL_TIMEOUT
+    output: str  # the tool's text ("ok") or the error's one-line description
+    output_ids: list[int] = field(default_factory=list)  # what was appended to the response
+
+
+@dataclass
+class Sample:
+    prompt: Prompt
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # of the generating policy per response token (0.0 where mask is 0)
+    response: str
+    reward: float
+    finished: bool  # ended by the model (EOS, or a complete last turn), not by a length limit
+    weight_version: int | None = None  # of the weights that generated it (None: older files)
+    # per response token, the weight version that generated it (partial rollouts mix versions;
+    # a tool token carries the version of the turn it answers); None in older files
+    weight_versions: list[int] | None = None
+    # per response token: 1 = sampled by the policy (trained), 0 = tool/environment (not
+    # trained, no gradient); None = all ones (single-turn samples and files older than the mask)
+    loss_mask: list[int] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    turns: int = 1  # model turns taken
+    stop_reason: str | None = None  # one of STOP_REASONS (None: a single-turn sample)
+    metadata: dict[str, Any] = field(default_factory=dict)  # user data (--metadata-key, custom)
+
+    def mask(self) -> list[int]:
+        """The loss mask per response token (all ones when none was recorded)."""
+        if self.loss_mask is None:
+            return [1] * len(self.response_ids)
+        return self.loss_mask
+
+    def oldest_version(self) -> int | None:
+        """The oldest weight version among the sample's tokens (what its staleness counts)."""
+        if self.weight_versions:
+            return min(self.weight_versions)
+        return self.weight_version
+
+    def check(self) -> None:
+        """Raise ValueError unless the per-token lists line up (user generate functions build
+        samples; a mismatch would otherwise surface as a shape error deep in training)."""
+        n = len(self.response_ids)
+        lengths = {"logprobs": len(self.logprobs)}
+        if self.loss_mask is not None:
+            lengths["loss_mask"] = len(self.loss_mask)
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError("loss_mask holds values other than 0 and 1")
+        if self.weight_versions is not None:
+            lengths["weight_versions"] = len(self.weight_versions)
+        wrong = {k: v for k, v in lengths.items() if v != n}
+        if wrong:
+            raise ValueError(f"{n} response ids but {wrong}")
+        if self.stop_reason is not None and self.stop_reason not in STOP_REASONS:
+            raise ValueError(f"stop_reason {self.stop_reason!r} is not one of {STOP_REASONS}")
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-ready dict (floats round-trip exactly through json)."""
+        return asdict(self)
+
+    @staticmethod
+    def from_record(record: dict[str, Any]) -> Sample:
+        """A sample from `to_record`'s dict, or from a file written before the multi-turn
+        fields existed (they take their defaults: mask all ones, one turn, no tool calls)."""
+        calls = [ToolCall(**c) for c in record.get("tool_calls", [])]
+        return Sample(**{**record, "prompt": Prompt(**record["prompt"]), "tool_calls": calls})

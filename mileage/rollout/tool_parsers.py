@@ -1,0 +1,96 @@
+"""Tool-call parsers (`--generate-tool-call-parser NAME`): model text -> the tool calls in it.
+
+A parser is one function `parse(text) -> list[ParsedCall]` that raises `ToolCallError` for a
+call it recognises but cannot read (the trajectory then ends with reason `tool_error`), and one
+entry in `PARSERS`, which pairs it with how tool outputs are written back into the context when
+the tokenizer has no chat template (`render`). With a chat template the outputs go through the
+template as `tool` messages instead (`mileage.rollout.multiturn`).
+
+Adding a format: write `parse` (and a `render` if the default one does not suit the model) and
+call `register_parser("name", parse, render)` at import time of a module the run imports, or add
+an entry to `PARSERS` here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mileage.errors import UserError
+
+
+class ToolCallError(ValueError):
+    """A tool call the parser recognised but could not read (bad JSON, no name, ...)."""
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+Parse = Callable[[str], list[ParsedCall]]
+# tool outputs of one turn (in call order) -> the plain text appended after the model's turn
+Render = Callable[[list[str]], str]
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    parse: Parse
+    render: Render
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_hermes(text: str) -> list[ParsedCall]:
+    """Qwen2.5/Qwen3/Hermes: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+    (arguments may also be a JSON string holding the object)."""
+    calls = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body.strip())
+        except json.JSONDecodeError as exc:
+            raise ToolCallError(f"tool call is not JSON ({exc.msg})") from None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise ToolCallError("tool call has no string 'name'")
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ToolCallError(f"tool call arguments are not JSON ({exc.msg})") from None
+        if not isinstance(arguments, dict):
+            raise ToolCallError("tool call arguments are not a JSON object")
+        calls.append(ParsedCall(call["name"], arguments))
+    return calls
+
+
+def render_hermes(outputs: list[str]) -> str:
+    """The outputs as Qwen's template writes tool results, without the template's role tags."""
+    return "".join(f"\n<tool_response>\n{out}\n</tool_response>" for out in outputs) + "\n"
+
+
+PARSERS: dict[str, ToolFormat] = {
+    # sglang's names for the same format, so miles' flag values work unchanged
+    "qwen25": ToolFormat(parse_hermes, render_hermes),
+    "qwen": ToolFormat(parse_hermes, render_hermes),
+    "hermes": ToolFormat(parse_hermes, render_hermes),
+}
+DEFAULT_PARSER = "qwen25"
+
+
+def register_parser(name: str, parse: Parse, render: Render = render_hermes) -> None:
+    """Make `--generate-tool-call-parser name` select `parse` (and `render`)."""
+    PARSERS[name] = ToolFormat(parse, render)
+
+
+def tool_format(name: str) -> ToolFormat:
+    if name not in PARSERS:
+        raise UserError(
+            f"--generate-tool-call-parser {name!r} does not exist; known: {', '.join(sorted(PARSERS))}"
+        )
+    return PARSERS[name]
