@@ -12,14 +12,14 @@ from conftest import REPO
 
 from mileage.rollout import tool_task
 from mileage.rollout.tasks import TASKS, builtin_alphabet, builtin_task
+from mileage.rollout.tool_parsers import PARSERS, tool_format
 from mileage.rollout.tool_task import (
-    CalcCall,
+    calc_call,
     calculator,
     execute_tool,
     final_answer,
     format_call,
     format_result,
-    parse_calls,
     tool_task_reward,
     warmup_records,
 )
@@ -80,18 +80,22 @@ def test_execute_tool_refuses_other_tools_and_arguments():
         execute_tool("calculator", {"expr": "1+1"})
 
 
-def test_call_format_round_trips():
+def test_call_format_round_trips_through_the_registered_parser():
+    calc = tool_format("calc")  # --generate-tool-call-parser calc
+    assert PARSERS["calc"] is calc
     for expression in ("4821+3907", "1", "2*3-4", ""):
-        call = CalcCall(expression)
-        assert parse_calls(format_call(call)) == [call]
+        call = calc_call(expression)
+        assert calc.parse(format_call(call)) == [call]
         # around other text, and more than one call in a turn, in order
-        text = f"so {format_call(call)} and {format_call(CalcCall('1+1'))}"
-        assert parse_calls(text) == [call, CalcCall("1+1")]
-    assert parse_calls("8728") == [] and parse_calls("[12+3") == [] and parse_calls("]1[") == []
+        text = f"so {format_call(call)} and {format_call(calc_call('1+1'))}"
+        assert calc.parse(text) == [call, calc_call("1+1")]
+    assert calc.parse("8728") == [] and calc.parse("[12+3") == [] and calc.parse("]1[") == []
+    # what the tool loop appends after a turn is what the warm-up taught the model to read
+    assert calc.render(["8728"]) == format_result("8728") == "{8728}"
 
 
 def test_final_answer_follows_the_last_tool_result():
-    response = format_call(CalcCall("4821+3907")) + format_result("8728") + "8728"
+    response = format_call(calc_call("4821+3907")) + format_result("8728") + "8728"
     assert final_answer(response) == "8728"
     assert tool_task_reward("4821+3907=", response, "8728") == 1.0
     assert tool_task_reward("4821+3907=", "8728", "8728") == 1.0

@@ -19,7 +19,7 @@ import torch
 
 from mileage.config import option
 from mileage.errors import UserError
-from mileage.rollout import gym
+from mileage.rollout import gym, tool_task
 from mileage.rollout.tasks import TASKS, builtin_task
 from mileage.seeding import generator_for
 
@@ -287,8 +287,11 @@ def load_eval_sets(cfg: DataConfig) -> list[EvalSet]:
 
 
 def task_reward(cfg: DataConfig) -> Callable[[str, str, str], float] | None:
-    """The task's own scorer when the prompts come from reasoning-gym, else None."""
+    """The task's own scorer when the prompts come from reasoning-gym or from a built-in task
+    with one (`addition-tool`: the answer after the tool's result), else None."""
     gym_evals = _gym_evals(cfg)
+    if not cfg.prompt_data and not gym_evals and cfg.builtin_task == tool_task.TASK:
+        return tool_task.tool_task_reward
     if not gym.is_gym_spec(cfg.prompt_data) and not gym_evals:
         return None
     scorer = gym.GymScorer()

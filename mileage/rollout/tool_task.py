@@ -15,59 +15,43 @@ The model may also answer at once (`4821+3907=8728<eos>`). Its warm-up data mixe
 sometimes and is weak without it; RL has to discover that calling pays.
 
 Everything here is a pure function: the records of a split, the calculator, the call format
-(`format_call`/`parse_calls`, which round-trip) and the scorer of a finished trajectory.
+(`format_call` and the `calc` parser, which round-trip) and the scorer of a finished trajectory.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from pathlib import Path
+
+from mileage.rollout.tool_parsers import CALC_TOOL, ParsedCall, parse_calc, render_calc
 
 TASK = "addition-tool"
-TOOL_NAME = "calculator"
+TOOL_NAME = CALC_TOOL
 DIGITS = 4
 RECORDS = 20_000
 # share of the warm-up trajectories that call the calculator
 TOOL_SHARE = 0.25
-CALL_OPEN, CALL_CLOSE = "[", "]"
-RESULT_OPEN, RESULT_CLOSE = "{", "}"
-# characters this task adds to the built-in alphabet (after it, so the other tasks' ids stay)
-EXTRA_ALPHABET = CALL_OPEN + CALL_CLOSE + RESULT_OPEN + RESULT_CLOSE
+RESULT_CLOSE = "}"
+# characters this task adds to the built-in alphabet (after it, so the other tasks' ids stay):
+# the call and result brackets of the `calc` parser (mileage/rollout/tool_parsers.py)
+EXTRA_ALPHABET = "[]{}"
 # what the calculator accepts: non-negative integers joined by + - *, at most this long
 MAX_EXPRESSION = 32
 _EXPRESSION = re.compile(r"\d{1,12}(?:[-+*]\d{1,12})*")
-_CALL = re.compile(re.escape(CALL_OPEN) + r"([^" + re.escape(CALL_OPEN + CALL_CLOSE) + r"]*)\]")
-
-# the tool's description in the OpenAI function format (`--generate-tool-specs-path` form)
-TOOL_SPECS = [
-    {
-        "type": "function",
-        "function": {
-            "name": TOOL_NAME,
-            "description": "Evaluate an integer expression of non-negative numbers joined by "
-            "+, - or * (left to right with the usual precedence of * over + and -).",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "expression": {"type": "string", "description": "for example 4821+3907"}
-                },
-                "required": ["expression"],
-            },
-        },
-    }
-]
-
-
-@dataclass(frozen=True)
-class CalcCall:
-    """One calculator call as the model wrote it."""
-
-    expression: str
-
-    @property
-    def arguments(self) -> dict[str, str]:
-        return {"expression": self.expression}
+# the tool's description in the OpenAI function format; a chat model given the task gets it as
+# the template's tools= (the built-in character model has no template and never reads it)
+TOOL_SPECS_PATH = Path(__file__).resolve().parent / "calculator_tools.json"
+# the flags the task sets unless given (run_config.TASK_DEFAULTS): the tool loop with the
+# calculator and the `calc` format; a call, its result and the answer take 2 model turns of at
+# most 12 tokens each (`[1234+5678]` and EOS)
+RUN_DEFAULTS = {
+    "generate_execute_tool_function_path": f"{__name__}:execute_tool",
+    "generate_tool_specs_path": str(TOOL_SPECS_PATH),
+    "generate_tool_call_parser": "calc",
+    "generate_max_turns": 2,
+    "rollout_max_response_len": 16,
+}
 
 
 def tool_task_records(count: int = RECORDS) -> list[dict[str, str]]:
@@ -115,19 +99,18 @@ def execute_tool(name: str, arguments: dict) -> str:
     return calculator(expression)
 
 
-def format_call(call: CalcCall) -> str:
-    """The text the model writes for `call`."""
-    return f"{CALL_OPEN}{call.expression}{CALL_CLOSE}"
+def format_call(call: ParsedCall) -> str:
+    """The text the model writes for a calculator `call` (what `parse_calc` reads back)."""
+    return f"[{call.arguments['expression']}]"
 
 
-def parse_calls(text: str) -> list[CalcCall]:
-    """The calls in one model turn, in order; `format_call` output parses back to its call."""
-    return [CalcCall(match.group(1)) for match in _CALL.finditer(text)]
+def calc_call(expression: str) -> ParsedCall:
+    return ParsedCall(TOOL_NAME, {"expression": expression})
 
 
 def format_result(output: str) -> str:
-    """The text the rollout appends after a call: the tool's output between braces."""
-    return f"{RESULT_OPEN}{output}{RESULT_CLOSE}"
+    """The text the rollout appends after a call (`render_calc`): the output between braces."""
+    return render_calc([output])
 
 
 def final_answer(response: str) -> str:
@@ -148,7 +131,7 @@ def warmup_segments(record: dict[str, str], use_tool: bool, eos: str) -> list[tu
         return [(record["label"] + eos, True)]
     expression = record["prompt"].rstrip("=")
     return [
-        (format_call(CalcCall(expression)) + eos, True),
+        (format_call(calc_call(expression)) + eos, True),
         (format_result(calculator(expression)), False),
         (record["label"] + eos, True),
     ]
@@ -183,7 +166,7 @@ def greedy_tool_check(model, tokenizer, records: list[dict[str, str]], max_turns
             ids[i] = ids[i] + completion.response_ids
             text = tokenizer.decode(completion.response_ids, skip_special_tokens=True)
             texts[i] += text
-            calls = parse_calls(text)
+            calls = parse_calc(text)
             if not calls or not completion.finished or turn + 1 == max_turns:
                 continue
             called[i] = True
