@@ -119,3 +119,113 @@ def test_warmup_mixes_direct_answers_and_tool_trajectories():
     assert answer == (with_tool[0]["label"] + "<eos>", True)
     direct = next(r for r in records if len(r["segments"]) == 1)
     assert direct["segments"] == [(direct["label"] + "<eos>", True)]
+
+
+@pytest.fixture(scope="module")
+def tool_model(mileage_home):
+    """The shipped addition-tool model (unpacked, never warmed up here)."""
+    import torch
+
+    from mileage.models.tiny import SHIPPED_WEIGHTS, ensure_builtin_model
+
+    assert "addition-tool" in SHIPPED_WEIGHTS
+    with torch.random.fork_rng():
+        return ensure_builtin_model("addition-tool")
+
+
+def test_warmed_model_calls_the_tool_only_sometimes(tool_model):
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    _, test = builtin_task("addition-tool")
+    model = LlamaForCausalLM.from_pretrained(tool_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    accuracy, tool_rate = tool_task.greedy_tool_check(model, tokenizer, test[:200])
+    # greedy: some prompts call the calculator, most do not; RL has something to raise
+    assert 0.0 < tool_rate < 0.6, tool_rate
+    assert accuracy < 0.7, accuracy
+
+
+def test_two_rollouts_end_to_end_with_masked_tool_tokens(tool_model, cli, tmp_path):
+    """`mileage train --builtin-task addition-tool` turns on the tool loop by itself; the saved
+    samples show calls whose results are in the response with loss mask 0, and every metric the
+    demo reports is logged."""
+    from transformers import AutoTokenizer
+
+    save = tmp_path / "run"
+    out = cli(
+        "train",
+        "--builtin-task",
+        "addition-tool",
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "8",
+        "--n-samples-per-prompt",
+        "8",
+        "--eval-interval",
+        "2",
+        "--num-threads",
+        "1",
+        "--save-debug-rollout-data",
+        str(tmp_path / "samples_{rollout_id}.json"),
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--generate-tool-call-parser calc" in out.stdout
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/addition-tool/tool_use_rate" in r]
+    assert [r["rollout_id"] for r in evals] == [-1, 1]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
+    rollouts = [r for r in records if "rollout/tool_use_rate" in r]
+    assert len(rollouts) == 2 and all(0 < r["rollout/tool_use_rate"] < 1 for r in rollouts)
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    samples = [
+        s
+        for i in (0, 1)
+        for s in json.loads((tmp_path / f"samples_{i}.json").read_text())["samples"]
+    ]
+    called = [s for s in samples if s["tool_calls"]]
+    assert called and len(called) < len(samples)
+    ok = [s for s in called if s["tool_calls"][0]["status"] == "ok"]
+    assert ok
+    for s in ok:
+        call = s["tool_calls"][0]
+        assert call["name"] == "calculator"
+        assert call["output"] == calculator(call["arguments"]["expression"])
+        mask, ids = s["loss_mask"], s["response_ids"]
+        # the tool's tokens, exactly, and only they, are masked out of the loss
+        untrained = [t for t, m in zip(ids, mask, strict=True) if m == 0]
+        assert untrained == call["output_ids"]
+        assert tokenizer.decode(untrained) == "{" + call["output"] + "}"
+        first = mask.index(0)
+        assert tokenizer.decode(ids[:first], skip_special_tokens=True).endswith("]")
+        assert all(lp == 0.0 for lp, m in zip(s["logprobs"], mask, strict=True) if m == 0)
+        assert s["reward"] == tool_task_reward("", s["response"], s["prompt"]["label"])
+    for s in samples:
+        if not s["tool_calls"]:
+            assert set(s["loss_mask"] or [1]) == {1}
+
+
+def test_warmup_labels_skip_the_prompt_and_the_tool_result():
+    from mileage.models.tiny import _demonstration, builtin_tokenizer
+
+    tokenizer = builtin_tokenizer("addition-tool")
+    record = {"prompt": "4821+3907=", "label": "8728"}
+    segments = tool_task.warmup_segments(record, True, tokenizer.eos_token)
+    ids, labels = _demonstration(tokenizer, {**record, "segments": segments})
+    text = "<bos>4821+3907=[4821+3907]<eos>{8728}8728<eos>"
+    assert tokenizer.decode(ids) == text
+    learned = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != -100])
+    assert learned == "[4821+3907]<eos>8728<eos>"
+    assert [label for label in labels if label != -100] == [
+        t for t, label in zip(ids, labels, strict=True) if label != -100
+    ]
+    # a record without segments is the plain answer, as the other tasks' warm-up always was
+    ids, labels = _demonstration(tokenizer, record)
+    assert tokenizer.decode([t for t in labels if t != -100]) == "8728<eos>"

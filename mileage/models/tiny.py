@@ -54,7 +54,15 @@ WARMUP_RECIPE = {
 # Per task changes to the recipe. `addition-tool` trains a fixed number of steps: its greedy
 # accuracy is not the point of the warm-up (the direct answer should stay weak and the tool be
 # called only sometimes); what it needs is enough steps to write calls and copy results.
-TASK_RECIPES = {tool_task.TASK: {"max_steps": 500, "target_accuracy": None, "threads": 1}}
+TASK_RECIPES = {
+    tool_task.TASK: {
+        "max_steps": 500,
+        "target_accuracy": None,
+        "batch_size": 64,
+        "check_every": 50,
+        "threads": 1,
+    }
+}
 # The weights shipped in the package (mileage/models/builtin/TASK.safetensors, fp32, exactly as
 # `save_pretrained` writes them) and their sha256. A damaged install or a Git LFS pointer in
 # place of the file fails this pin instead of loading other weights. Rebuild and re-pin with
@@ -208,7 +216,7 @@ def warm_up(model, tokenizer, records, recipe: dict, log=print, check_fn=None) -
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["clip_grad"])
         opt.step()
         target = recipe["target_accuracy"]
-        if step % recipe["check_every"] == 0 and (target is not None or step % 100 == 0):
+        if step % recipe["check_every"] == 0:
             model.eval()
             checked = (check_fn or greedy_accuracy)(model, tokenizer, check)
             accuracy, *rest = checked if isinstance(checked, tuple) else (checked,)
