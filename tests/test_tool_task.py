@@ -37,7 +37,7 @@ def test_task_data_is_a_pure_function_of_its_name():
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     for record in train[:200] + test[:200]:
         a, b = record["prompt"].rstrip("=").split("+")
-        assert len(a) == len(b) == 4 and record["label"] == str(int(a) + int(b))
+        assert len(a) == len(b) == tool_task.DIGITS and record["label"] == str(int(a) + int(b))
     # another process with another hash seed builds the same records in the same order
     here = hashlib.sha256(json.dumps([train, test]).encode()).hexdigest()
     for hash_seed in ("1", "987"):

@@ -56,10 +56,14 @@ WARMUP_RECIPE = {
 # called only sometimes); what it needs is enough steps to write calls and copy results.
 TASK_RECIPES = {
     tool_task.TASK: {
-        "max_steps": 500,
-        "target_accuracy": None,
+        "max_steps": 600,
+        # stop once the tool path works (greedy accuracy with every answer calling the tool):
+        # copying a call and a result is learned long before adding, so the direct answers are
+        # still weak then, which is what RL starts from
+        "target_accuracy": 0.9,
         "batch_size": 64,
-        "check_every": 50,
+        "check_every": 25,
+        "check_size": 128,
         "threads": 1,
     }
 }
@@ -245,16 +249,18 @@ def build_warmed_up_model(
             check_fn = None
             if task == tool_task.TASK:
                 train = tool_task.warmup_records(train, tokenizer.eos_token)
-                check_fn = tool_task.greedy_tool_check
+                check_fn = tool_task.warmup_check
             steps, accuracy = warm_up(model, tokenizer, train, recipe, log=log, check_fn=check_fn)
             if check_fn is not None:
                 # the provenance records the warmed policy as RL finds it
-                accuracy, tool_rate = check_fn(model, tokenizer, train[: recipe["check_size"]])
+                tool_path, accuracy, tool_rate = check_fn(
+                    model, tokenizer, train[: recipe["check_size"]]
+                )
     finally:
         torch.set_num_threads(previous_threads)
     info = {"task": task, **recipe, "steps": steps, "accuracy": accuracy}
     if task == tool_task.TASK:
-        info["greedy_tool_use_rate"] = tool_rate
+        info |= {"greedy_tool_use_rate": tool_rate, "greedy_accuracy_calling_the_tool": tool_path}
     return model, tokenizer, info
 
 

@@ -2,7 +2,7 @@
 
 `addition`: two 2-digit numbers, answer written least-significant digit first ("07+45=" -> "25"),
 which makes carries learnable left to right. `reversal`: reverse a short lowercase string
-("abcd>" -> "dcba"). `addition-tool` (rollout/tool_task.py): sums of two 4-digit numbers, with a
+("abcd>" -> "dcba"). `addition-tool` (rollout/tool_task.py): sums of two 5-digit numbers, with a
 calculator the model may call. Every split is a pure function of the task name, so any machine builds the
 same prompts in the same order.
 """

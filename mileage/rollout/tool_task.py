@@ -1,16 +1,16 @@
-"""The built-in tool task `addition-tool`: sums of two 4-digit numbers, with a calculator.
+"""The built-in tool task `addition-tool`: sums of two 5-digit numbers, with a calculator.
 
-A prompt is `4821+3907=` and the answer is the sum written the usual way, most significant digit
-first (`8728`). Written that way a sum is hard for the ~3M-parameter character model: the first
+A prompt is `48213+39075=` and the answer is the sum written the usual way, most significant
+digit first (`87288`). Written that way a sum is hard for the ~3M-parameter character model: the first
 digit depends on every carry to its right, which it must foresee. A calculator makes it easy. The
 model calls it in a compact format suited to a character tokenizer, one token per character:
 
-    4821+3907=[4821+3907]<eos>{8728}8728<eos>
-              ^^^^^^^^^^^^^^^^ model turn 1: the call, trained (loss mask 1)
-                              ^^^^^^ the tool's result, appended by the rollout (mask 0)
-                                    ^^^^^^^^^ model turn 2: the answer, trained
+    48213+39075=[48213+39075]<eos>{87288}87288<eos>
+                ^^^^^^^^^^^^^^^^^^ model turn 1: the call, trained (loss mask 1)
+                                  ^^^^^^^ the tool's result, appended by the tool loop (mask 0)
+                                         ^^^^^^^^^^ model turn 2: the answer, trained
 
-The model may also answer at once (`4821+3907=8728<eos>`). Its warm-up data mixes both
+The model may also answer at once (`48213+39075=87288<eos>`). Its warm-up data mixes both
 (`TOOL_SHARE` of the trajectories call the tool), so the warm-started policy calls the tool only
 sometimes and is weak without it; RL has to discover that calling pays.
 
@@ -28,7 +28,7 @@ from mileage.rollout.tool_parsers import CALC_TOOL, ParsedCall, parse_calc, rend
 
 TASK = "addition-tool"
 TOOL_NAME = CALC_TOOL
-DIGITS = 4
+DIGITS = 5
 RECORDS = 20_000
 # share of the warm-up trajectories that call the calculator
 TOOL_SHARE = 0.25
@@ -44,7 +44,7 @@ _EXPRESSION = re.compile(r"\d{1,12}(?:[-+*]\d{1,12})*")
 TOOL_SPECS_PATH = Path(__file__).resolve().parent / "calculator_tools.json"
 # the flags the task sets unless given (run_config.TASK_DEFAULTS): the tool loop with the
 # calculator and the `calc` format; a call, its result and the answer take 2 model turns of at
-# most 12 tokens each (`[1234+5678]` and EOS)
+# most 14 tokens each (`[12345+67890]` and EOS)
 RUN_DEFAULTS = {
     "generate_execute_tool_function_path": f"{__name__}:execute_tool",
     "generate_tool_specs_path": str(TOOL_SPECS_PATH),
@@ -55,7 +55,7 @@ RUN_DEFAULTS = {
 
 
 def tool_task_records(count: int = RECORDS) -> list[dict[str, str]]:
-    """`count` distinct `a+b=` prompts with two 4-digit operands and their plain sums."""
+    """`count` distinct `a+b=` prompts with two DIGITS-digit operands and their plain sums."""
     rng = random.Random(f"mileage-{TASK}")
     low, high = 10 ** (DIGITS - 1), 10**DIGITS - 1
     seen: set[tuple[int, int]] = set()
@@ -144,17 +144,20 @@ def warmup_records(records: list[dict[str, str]], eos: str) -> list[dict]:
     return [{**r, "segments": warmup_segments(r, rng.random() < TOOL_SHARE, eos)} for r in records]
 
 
-def greedy_tool_check(model, tokenizer, records: list[dict[str, str]], max_turns: int = 2):
+def greedy_tool_check(
+    model, tokenizer, records: list[dict[str, str]], max_turns: int = 2, force_call: bool = False
+) -> tuple[float, float]:
     """(accuracy, tool-use rate) of greedy answers to `records`, calling the calculator the way
-    the rollout does: a turn that ends in a call gets the result appended as ids, never
-    re-tokenized text. The warm-up's progress check; training rollouts go through the engine's
-    multi-turn loop."""
+    the tool loop does: a turn that ends in a call gets the result appended as ids, never
+    re-tokenized text. `force_call` starts every answer with the call's `[`, which measures the
+    tool path alone. The warm-up's progress check; rollouts go through the tool loop."""
     from mileage.rollout.engine import LocalEngine, SamplingParams
 
     engine = LocalEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     params = SamplingParams(max_new_tokens=2 * DIGITS + 4, temperature=0.0)
-    ids = [tokenizer(r["prompt"])["input_ids"] for r in records]
-    texts = [""] * len(records)
+    opening = "[" if force_call else ""
+    ids = [tokenizer(r["prompt"] + opening)["input_ids"] for r in records]
+    texts = [opening] * len(records)
     called = [False] * len(records)
     live = list(range(len(records)))
     for turn in range(max_turns):
@@ -166,7 +169,7 @@ def greedy_tool_check(model, tokenizer, records: list[dict[str, str]], max_turns
             ids[i] = ids[i] + completion.response_ids
             text = tokenizer.decode(completion.response_ids, skip_special_tokens=True)
             texts[i] += text
-            calls = parse_calc(text)
+            calls = parse_calc(texts[i] if turn == 0 else text)
             if not calls or not completion.finished or turn + 1 == max_turns:
                 continue
             called[i] = True
@@ -182,3 +185,10 @@ def greedy_tool_check(model, tokenizer, records: list[dict[str, str]], max_turns
         tool_task_reward(r["prompt"], t, r["label"]) for r, t in zip(records, texts, strict=True)
     ]
     return sum(correct) / len(records), sum(called) / len(records)
+
+
+def warmup_check(model, tokenizer, records: list[dict[str, str]]) -> tuple[float, float, float]:
+    """The warm-up's stopping measure first: (greedy accuracy when every answer calls the tool,
+    greedy accuracy as the model chooses, greedy tool-use rate)."""
+    forced, _ = greedy_tool_check(model, tokenizer, records, force_call=True)
+    return (forced, *greedy_tool_check(model, tokenizer, records))
