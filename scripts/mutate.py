@@ -58,6 +58,7 @@ RECORDS_KILLS = (
     f"{RECORDS}::test_evaluation_before_training_is_recorded_once_across_kills_everywhere"
 )
 PRECISION = "tests/test_precision.py"
+MULTITURN = "tests/test_multiturn.py"
 README_TEST = "tests/test_readme.py"
 EVAL = "tests/test_evaluation.py"
 EVAL_RUN = f"{EVAL}::test_named_eval_sets_log_pass_at_k_and_mileage_eval_reproduces_them"
@@ -1215,6 +1216,56 @@ MUTANTS = [
         "            setattr(ns, name, task.get(name, value.value))",
         "            setattr(ns, name, value.value)",
         (TOOL_TASK_RUN,),
+    ),
+    Mutant(
+        "tool-tokens-in-loss-mask",
+        "the built-in tool loop gives the tool's tokens loss mask 1 (trained on)",
+        "mileage/rollout/multiturn.py",
+        "mask += [0] * len(tool_ids)",
+        "mask += [1] * len(tool_ids)",
+        (f"{MULTITURN}::test_trained_ids_are_the_engines_and_the_tools",),
+    ),
+    Mutant(
+        "pack-ignores-loss-mask",
+        "pack_samples marks every response token trained, tool tokens included",
+        "mileage/training/batch.py",
+        "torch.tensor(s.mask(), dtype=torch.float32)",
+        "1.0",
+        (f"{MULTITURN}::test_tool_tokens_carry_no_gradient",),
+    ),
+    Mutant(
+        "retokenize-between-turns",
+        "the tool loop re-encodes the decoded context before the next turn",
+        "mileage/rollout/multiturn.py",
+        "        context += tool_ids\n",
+        "        context = ctx.tokenizer(decode(context + tool_ids, skip_special_tokens=True))[\n"
+        '            "input_ids"\n'
+        "        ]\n",
+        (f"{MULTITURN}::test_trained_ids_are_the_engines_and_the_tools",),
+    ),
+    Mutant(
+        "tool-journal-not-read-back",
+        "a rerun calls the tool again instead of taking the journaled outcome",
+        "mileage/rollout/journal.py",
+        'if entry is None or entry["name"] != name',
+        'if True or entry is None or entry["name"] != name',
+        (f"{MULTITURN}::test_tool_journal_gives_a_rerun_the_first_outcomes",),
+    ),
+    Mutant(
+        "multi-turn-seed-per-sample-not-per-call",
+        "every client call of a sample samples with the seed of its first call",
+        "mileage/rollout/client.py",
+        "seed = None if params.greedy else self.seed_of(call)",
+        "seed = None if params.greedy else self.seed_of(0)",
+        (f"{MULTITURN}::test_turn_synchronous_batches_and_seeds",),
+    ),
+    Mutant(
+        "multi-turn-batches-by-arrival",
+        "engine calls go out as they arrive, not once every live trajectory waits",
+        "mileage/rollout/client.py",
+        "if not self.pending or len(waiting) < self.live:",
+        "if not self.pending:",
+        (f"{MULTITURN}::test_turn_synchronous_batches_and_seeds",),
     ),
 ]
 

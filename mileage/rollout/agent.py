@@ -61,7 +61,7 @@ class UserFunctions:
 def load_user_functions(cfg: MultiTurnConfig) -> UserFunctions:
     """Every multi-turn flag checked: importable paths, signatures, JSON, parser names."""
     cfg.validate()
-    out = UserFunctions(tool_format=tool_format(cfg.generate_tool_call_parser))
+    out = UserFunctions()
     if cfg.custom_generate_function_path:
         flag = "--custom-generate-function-path"
         out.generate = load_function(cfg.custom_generate_function_path, flag)
@@ -78,6 +78,8 @@ def load_user_functions(cfg: MultiTurnConfig) -> UserFunctions:
         require_signature(out.rollout, flag, 3, ROLLOUT_SHAPE)
     if cfg.generate_tool_specs_path:
         out.tool_specs = load_tool_specs(cfg.generate_tool_specs_path)
+    # after the user's modules are imported: one of them may register its parser
+    out.tool_format = tool_format(cfg.generate_tool_call_parser)
     return out
 
 

@@ -225,7 +225,7 @@ async def tool_loop(ctx: GenerateContext, sample: Sample, params: SamplingParams
             stop = LENGTH
             break
         try:
-            calls = ctx.tool_format.parse(decode(out.ids))
+            calls = ctx.tool_format.parse(decode(out.ids, skip_special_tokens=True))
         except ToolCallError as exc:
             calls_made.append(ToolCall(turn, "", {}, TOOL_ERROR, str(exc)))
             stop = TOOL_ERROR

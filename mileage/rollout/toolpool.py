@@ -22,16 +22,22 @@ import signal
 import threading
 from typing import Any
 
-from mileage.rollout.toolworker import TOOL_ERROR, TOOL_TIMEOUT, serve
+from mileage.faults import fault_point
+from mileage.rollout.toolworker import READY, TOOL_ERROR, TOOL_TIMEOUT, serve
+
+# seconds a new worker may take to start and import the tool's module (not part of any call's
+# --tool-timeout)
+STARTUP_TIMEOUT = 120.0
 
 
 class _Worker:
     def __init__(self, path: str):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(path, child), daemon=True)
+        self.process = ctx.Process(target=serve, args=(path, child, os.getpid()), daemon=True)
         self.process.start()
         child.close()
+        self.ready = False  # the worker has loaded the tool and said so
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -56,8 +62,11 @@ class ToolPool:
 
     def _take(self) -> _Worker:
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.process.is_alive():
+                    return worker
+                worker.kill()  # died while idle (killed from outside): replaced below
             self._started += 1
         return _Worker(self.path)
 
@@ -72,7 +81,13 @@ class ToolPool:
     def _call_in_worker(self, name: str, arguments: dict[str, Any]) -> tuple[str, str]:
         worker = self._take()
         try:
+            if not worker.ready:
+                if not worker.conn.poll(STARTUP_TIMEOUT) or worker.conn.recv() != READY:
+                    worker.kill()
+                    return TOOL_ERROR, f"the tool's worker did not start in {STARTUP_TIMEOUT}s"
+                worker.ready = True
             worker.conn.send((name, arguments))
+            fault_point("tool_running")  # the trainer killed while the tool runs
             if not worker.conn.poll(self.timeout):
                 worker.kill()
                 return TOOL_TIMEOUT, f"tool {name!r} ran past --tool-timeout {self.timeout:g}s"

@@ -47,6 +47,11 @@ KILL_POINTS = LOOP_POINTS + SAVE_POINTS + ASYNC_POINTS
 DYNAMIC_POINTS = ("after_sampling_round",)
 
 
+# multi-turn runs with a tool only: in the trainer, right after a tool call was handed to its
+# worker process (the tool is running)
+TOOL_POINTS = ("tool_running",)
+
+
 # PPO only: the critic is written into the same staging directory, after the actor's optimizer
 CRITIC_SAVE_POINTS = ("save_after_critic_model", "save_after_critic")
 
@@ -109,7 +114,7 @@ class Kill:
     def __post_init__(self) -> None:
         if (self.point is None) == (self.delay is None):
             raise ValueError("a Kill needs exactly one of a point and a delay")
-        known = KILL_POINTS + CRITIC_SAVE_POINTS + DYNAMIC_POINTS
+        known = KILL_POINTS + CRITIC_SAVE_POINTS + DYNAMIC_POINTS + TOOL_POINTS
         if self.point is not None and self.point not in known:
             raise ValueError(f"unknown kill point {self.point!r}; known: {', '.join(known)}")
         if self.hit < 1:

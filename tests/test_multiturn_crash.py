@@ -1,0 +1,105 @@
+"""A multi-turn run with tool calls (the built-in model and the scripted tool of
+`multiturn_tools.py`: raises, hangs past --tool-timeout, answers) under the crash harness:
+killed while a tool runs and after generating, rerun, and every checkpoint tensor and metrics
+record equals the uninterrupted run. The uninterrupted run's saved samples replay to the same
+tensors, and train-async at staleness 0 runs the same trajectories as train."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import assert_learned
+
+from mileage.testing.compare import LEFTOVER_DIFF, TENSOR_DIFF, compare_runs
+from mileage.testing.crash import launch, outcome_table, run_uninterrupted, run_with_kills
+from mileage.testing.kills import Kill
+
+pytestmark = pytest.mark.slow
+
+TOOLS = Path(__file__).with_name("multiturn_tools.py")
+ARGS = [
+    "--num-rollout", "2",
+    "--rollout-batch-size", "4",
+    "--n-samples-per-prompt", "4",
+    "--global-batch-size", "8",
+    "--rollout-max-response-len", "4",
+    "--rollout-shuffle",
+    "--eval-interval", "0",
+    "--num-threads", "1",
+    "--generate-execute-tool-function-path", f"{TOOLS}:tool",
+    "--generate-tool-call-parser", "odd_digit",
+    "--generate-max-turns", "3",
+    "--tool-timeout", "1",
+]  # fmt: skip
+CHAIN = [
+    Kill.at("tool_running", 2),  # rollout 0, while its tools run
+    # rollout 0 again, whose first calls the journal answers now (they reach no tool_running),
+    # or rollout 1: killed while a tool runs either way
+    Kill.at("tool_running", 3),
+]
+
+
+def debug_args(save: Path) -> list[str]:
+    return ["--save-debug-rollout-data", str(save.parent / "samples" / "{rollout_id}.json")]
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_model, tmp_path_factory) -> Path:
+    save = tmp_path_factory.mktemp("mt_reference") / "run"
+    run_uninterrupted([*ARGS, *debug_args(save)], save)
+    assert_learned(save, builtin_model)
+    return save
+
+
+def test_kills_while_tools_run_resume_to_the_uninterrupted_tensors(reference, tmp_path):
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    # the run under test calls tools, and some of them fail: the comparison covers all of it
+    assert sum(r["rollout/tool_calls"] for r in records) > 0
+    failed = sum(r["rollout/tool_errors"] + r["rollout/tool_timeouts"] for r in records)
+    assert 0 < failed < sum(r["rollout/tool_calls"] for r in records)
+    save = tmp_path / "run"
+    outcomes = run_with_kills(ARGS, save, CHAIN)
+    table = outcome_table(outcomes)
+    assert [o.status for o in outcomes] == ["killed"] * len(CHAIN), table
+    for outcome in outcomes:
+        assert not outcome.problems, f"{outcome.kill.label}: {outcome.problems}\n{table}"
+    diffs = compare_runs(reference, save)
+    assert [d for d in diffs if not d.startswith(LEFTOVER_DIFF)] == [], table
+    # the journal keeps only what a resume could still need: nothing, once the run is done
+    # and its last rollout saved (pruned when the next launch starts; none did)
+    assert sorted(p.name for p in (save / "tool_journal").iterdir()) == [
+        "slot_0.jsonl",
+        "slot_1.jsonl",
+    ]
+
+
+def test_saved_multi_turn_samples_replay_to_the_same_tensors(reference, tmp_path):
+    saved = [
+        s
+        for rollout_id in (0, 1)
+        for s in json.loads((reference.parent / "samples" / f"{rollout_id}.json").read_text())[
+            "samples"
+        ]
+    ]
+    assert any(0 in s["loss_mask"] for s in saved)  # tool tokens are in the files, masked
+    save = tmp_path / "replay"
+    template = str(reference.parent / "samples" / "{rollout_id}.json")
+    run_uninterrupted([*ARGS, "--load-debug-rollout-data", template], save)
+    assert [d for d in compare_runs(reference, save) if d.startswith(TENSOR_DIFF)] == []
+
+
+def test_train_async_at_staleness_0_runs_the_same_trajectories(reference, tmp_path):
+    save = tmp_path / "async"
+    done = launch(
+        [*ARGS, "--fully-async", "--max-weight-staleness", "0", *debug_args(save)],
+        save,
+        subcommand="train-async",
+    )
+    assert done.returncode == 0, done.tail()
+    for rollout_id in (0, 1):
+        mine = json.loads((save.parent / "samples" / f"{rollout_id}.json").read_text())
+        theirs = json.loads((reference.parent / "samples" / f"{rollout_id}.json").read_text())
+        assert mine["samples"] == theirs["samples"]
+    assert [d for d in compare_runs(reference, save) if d.startswith(TENSOR_DIFF)] == []
