@@ -51,6 +51,9 @@ RUN_DEFAULTS = {
     "generate_tool_call_parser": "calc",
     "generate_max_turns": 2,
     "rollout_max_response_len": 16,
+    # the demo's length: long enough to see calling win, short enough for a shared laptop CPU
+    "num_rollout": 80,
+    "eval_interval": 20,
 }
 
 
