@@ -74,6 +74,7 @@ TASK_RECIPES = {
 SHIPPED_DIR = Path(__file__).resolve().parent / "builtin"
 SHIPPED_WEIGHTS = {
     "addition": "bab5daaf8ca8ce7e8c23b3a73126ded136e83e9244768a2afdd3ce508e9e1030",
+    "addition-tool": "d65be1df60b3cc1bd78251a16dc85e692c585f0b0b72fb1125bb8b807c4b54b2",
 }
 
 
