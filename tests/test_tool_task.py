@@ -166,6 +166,9 @@ def test_two_rollouts_end_to_end_with_masked_tool_tokens(tool_model, cli, tmp_pa
     from transformers import AutoTokenizer
 
     save = tmp_path / "run"
+    # a slice of the held-out split keeps the two evaluations short
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in builtin_task("addition-tool")[1][:32]))
     out = cli(
         "train",
         "--builtin-task",
@@ -178,6 +181,9 @@ def test_two_rollouts_end_to_end_with_masked_tool_tokens(tool_model, cli, tmp_pa
         "8",
         "--eval-interval",
         "2",
+        "--eval-prompt-data",
+        "held",
+        str(held),
         "--num-threads",
         "1",
         "--save-debug-rollout-data",
@@ -186,12 +192,12 @@ def test_two_rollouts_end_to_end_with_masked_tool_tokens(tool_model, cli, tmp_pa
         str(save),
         "--load",
         str(save),
-        timeout=300,
+        timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--generate-tool-call-parser calc" in out.stdout
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if "eval/addition-tool/tool_use_rate" in r]
+    evals = [r for r in records if "eval/held/tool_use_rate" in r]
     assert [r["rollout_id"] for r in evals] == [-1, 1]
     assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
     rollouts = [r for r in records if "rollout/tool_use_rate" in r]
