@@ -184,6 +184,9 @@ def test_two_rollouts_end_to_end_with_masked_tool_tokens(tool_model, cli, tmp_pa
         "--eval-prompt-data",
         "held",
         str(held),
+        # sampled evaluation calls the tool as often as the rollouts do, if it runs the tool loop
+        "--n-samples-per-eval-prompt",
+        "4",
         "--num-threads",
         "1",
         "--save-debug-rollout-data",
@@ -199,7 +202,8 @@ def test_two_rollouts_end_to_end_with_masked_tool_tokens(tool_model, cli, tmp_pa
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/held/tool_use_rate" in r]
     assert [r["rollout_id"] for r in evals] == [-1, 1]
-    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
+    assert all(0.0 <= r["eval_accuracy"] <= r["eval/held/pass@4"] <= 1.0 for r in evals)
+    assert all(0 < r["eval/held/tool_use_rate"] < 1 for r in evals)
     rollouts = [r for r in records if "rollout/tool_use_rate" in r]
     assert len(rollouts) == 2 and all(0 < r["rollout/tool_use_rate"] < 1 for r in rollouts)
 
