@@ -69,7 +69,7 @@ from mileage.rollout.dynamic import (
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
 from mileage.rollout.engines.factory import build_engine
-from mileage.rollout.journal import JOURNAL_DIR
+from mileage.rollout.journal import JOURNAL_DIR, ToolJournal
 from mileage.rollout.rewards import RewardFn
 from mileage.rollout.rollout import PromptEncoder
 from mileage.rollout.sizes import context_length
@@ -150,6 +150,19 @@ def _hf_exporter(template: str | None, config_dir: str, log):
         log(f"exported HF weights of rollout {rollout_id} to {out}")
 
     return export
+
+
+def _on_commit(export, journal: ToolJournal):
+    """After a checkpoint of rollout N commits: the --save-hf export, then the tool journal
+    drops slots <= N (a resume starts after N, so nothing generates them again)."""
+
+    def committed(rollout_id: int, checkpoint) -> None:
+        if export is not None:
+            export(rollout_id, checkpoint)
+        if env.is_main():
+            journal.prune(rollout_id + 1)
+
+    return committed
 
 
 def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
@@ -248,6 +261,8 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     wandb_run_id = resumed.get("tracking", {}).get("wandb_run_id")
     if wandb_run_id is None and cfg.tracking.use_wandb:
         wandb_run_id = new_wandb_run_id()
+    # the tool journal of multi-turn runs; a committed checkpoint prunes what it made redundant
+    journal = ToolJournal(Path(cfg.checkpoint.save) / JOURNAL_DIR if cfg.checkpoint.save else None)
     metrics_dir = cfg.checkpoint.save if env.is_main() else None  # rank 0 logs for all
     writer = None
     if cfg.checkpoint.save:
@@ -255,7 +270,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             cfg.checkpoint.save,
             cfg.checkpoint.save_keep_last,
             cfg.checkpoint.async_save,
-            on_commit=_hf_exporter(cfg.checkpoint.save_hf, config_dir, log),
+            on_commit=_on_commit(_hf_exporter(cfg.checkpoint.save_hf, config_dir, log), journal),
         )
     encode = PromptEncoder(tokenizer, cfg.data.apply_chat_template)
     model_config = read_config_json(config_dir)
@@ -265,7 +280,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         tokenizer,
         encode,
         pre.reward_fn,
-        Path(cfg.checkpoint.save) / JOURNAL_DIR if cfg.checkpoint.save else None,
+        journal,
         context_length(model_config) or DEFAULT_CONTEXT,
     )
     return Run(

@@ -292,3 +292,84 @@ def test_tool_specs_must_be_json(tmp_path):
     bad.write_text('{"name": "search"}')
     with pytest.raises(UserError, match="JSON list"):
         load_user_functions(config.multiturn)
+
+
+def test_rewards_of_the_whole_sample_and_of_a_group(tmp_path):
+    """--custom-rm-path as fn(sample), fn(config, sample) and (--group-rm) fn(config, samples),
+    in training and in evaluation."""
+    from mileage.rollout.data import EvalSet
+    from mileage.rollout.evaluation import sample_answers
+    from mileage.rollout.rewards import load_custom_reward, score_samples
+
+    rm = tmp_path / "rm.py"
+    rm.write_text(
+        "def of_sample(sample):\n    return float(len(sample.response_ids))\n"
+        "async def with_config(config, sample):\n    return float(sample.turns)\n"
+        "def of_group(config, samples):\n"
+        "    return [float(i) for i, _ in enumerate(samples)]\n"
+    )
+    config = make_config()
+    agent, tok, encode = build_agent(config, reward=load_custom_reward(f"{rm}:of_sample"))
+    try:
+        samples = generate_samples(
+            ScriptedEngine(tok), encode, PROMPTS[:2], PARAMS, 2, agent.reward_fn, 1, 0, agent
+        )
+        assert [s.reward for s in samples] == [float(len(s.response_ids)) for s in samples]
+        turns = score_samples(load_custom_reward(f"{rm}:with_config"), samples, config, 2)
+        assert turns == [2.0, 2.0, 1.0, 1.0]
+        group = load_custom_reward(f"{rm}:of_group", group_rm=True)
+        assert score_samples(group, samples, config, 2, group_rm=True) == [0.0, 1.0, 0.0, 1.0]
+        evaluated = sample_answers(
+            ScriptedEngine(tok),
+            encode,
+            EvalSet("e", PROMPTS[1:2]),
+            PARAMS,
+            2,
+            agent.reward_fn,
+            None,
+            agent.score,
+        )
+        assert [s.reward for s in evaluated] == [2.0, 2.0]  # "4" and EOS
+    finally:
+        agent.close()
+
+
+# a chat template in the char tokenizer's alphabet: u/a/t open user/assistant/tool messages,
+# an assistant message ends with EOS and then "==" (as Qwen's ends with <|im_end|> and "\n")
+TEMPLATE = (
+    "{%- if tools -%}{{ tools | length }}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}u{{ m.content }}{{ eos_token }}"
+    "{%- elif m.role == 'assistant' -%}a{{ m.content }}{{ eos_token }}=="
+    "{%- elif m.role == 'tool' -%}t{{ m.content }}{{ eos_token }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}a{%- endif -%}"
+)
+
+
+def test_chat_prompts_tools_and_tool_messages_go_through_the_template():
+    from mileage.rollout.multiturn import template_tool_ids
+    from mileage.rollout.tool_parsers import ParsedCall
+
+    tok = build_char_tokenizer(builtin_alphabet())
+    tok.chat_template = TEMPLATE
+    encode = PromptEncoder(tok, False)
+    eos = tok.eos_token_id
+    messages = [{"role": "user", "content": "12"}]
+    chat = Prompt(0, "12", "x", messages=messages)
+    # a message list always goes through the template, with the tool specs as tools=
+    assert encode.prompt_ids(chat) == ids(tok, "u12") + [eos] + ids(tok, "a")
+    tools = [{"type": "function", "function": {"name": "rev"}}] * 2
+    assert encode.prompt_ids(chat, tools) == ids(tok, "2u12") + [eos] + ids(tok, "a")
+    assert encode.prompt_ids(Prompt(1, "12", "x")) == tok("12")["input_ids"]  # plain text
+    # the model's turn ends at EOS; what the template writes after it ("==") comes first
+    turn = ids(tok, "13") + [eos]
+    calls = [ParsedCall("rev", {"x": "13"}), ParsedCall("rev", {"x": "4"})]
+    got = template_tool_ids(tok, ["31", "4"], calls, turn)
+    assert got == ids(tok, "==t31") + [eos] + ids(tok, "t4") + [eos] + ids(tok, "a")
+    # a template that rewrites the conversation before the tool messages is refused
+    tok.chat_template = TEMPLATE.replace(
+        "{%- for m in messages -%}", "{%- for m in messages[-1:] -%}"
+    )
+    with pytest.raises(UserError, match="append-only"):
+        template_tool_ids(tok, ["31"], calls[:1], turn)

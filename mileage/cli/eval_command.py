@@ -140,6 +140,7 @@ def evaluate_checkpoint(cfg, log) -> dict:
             cfg.loop.seed,
             # a release checkpoint is the weights training would start from
             -1 if rollout_id is None else int(rollout_id),
+            lambda samples, n: _score(reward_fn, samples, cfg, n),
             agent,
         )
     finally:
@@ -162,3 +163,12 @@ def describe(result: dict) -> str:
             ]
             lines.append(f"{key[5:]}: reward {value:.4f} | " + " | ".join(rest))
     return "\n".join(lines)
+
+
+def _score(reward_fn, samples, cfg, group_size: int) -> None:
+    """Rewards of any --custom-rm-path form (a function of the whole sample, --group-rm)."""
+    from mileage.rollout.rewards import score_samples
+
+    rewards = score_samples(reward_fn, samples, cfg, group_size, cfg.reward.group_rm)
+    for sample, reward in zip(samples, rewards, strict=True):
+        sample.reward = reward

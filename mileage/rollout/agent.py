@@ -93,7 +93,7 @@ class Agent:
         tokenizer: Any,
         encode: Callable,
         reward_fn: RewardFn,
-        journal_dir: str | Path | None,
+        journal: ToolJournal | str | Path | None,
         context_len: int,
     ):
         self.config = config
@@ -104,7 +104,9 @@ class Agent:
         self.reward_fn = reward_fn
         self.group_rm = config.reward.group_rm
         self.context_len = self.cfg.rollout_max_context_len or context_len
-        self.journal = ToolJournal(journal_dir)
+        # a directory (or None: in memory) or the run's journal, which its checkpoint writer
+        # prunes after each commit
+        self.journal = journal if isinstance(journal, ToolJournal) else ToolJournal(journal)
         path = self.cfg.generate_execute_tool_function_path
         self.pool = ToolPool(path, self.cfg.tool_timeout, self.cfg.tool_workers) if path else None
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -148,9 +149,12 @@ def sample_answers(
     n_samples: int,
     reward_fn: RewardFn,
     seed: SamplingSeed | None,
+    score: Callable[[list[Sample], int], None] | None = None,
     agent: Agent | None = None,
 ) -> list[Sample]:
-    """`n_samples` scored answers per prompt of `eval_set`, those of one prompt contiguous."""
+    """`n_samples` scored answers per prompt of `eval_set`, those of one prompt contiguous;
+    `score(samples, n)` sets their rewards when given (a reward of the whole sample, --group-rm),
+    else `reward_fn(prompt, response, label)`."""
     if agent is not None and agent.multi_turn:
         return multi_turn_answers(agent, engine, eval_set, params, n_samples, seed)
     expanded = [p for p in eval_set.prompts for _ in range(n_samples)]
@@ -159,13 +163,17 @@ def sample_answers(
     )
     decode = encode.tokenizer.decode
     texts = [decode(c.response_ids, skip_special_tokens=True) for c in completions]
-    rewards = score_all(
-        reward_fn, [(p.text, t, p.label) for p, t in zip(expanded, texts, strict=True)]
-    )
-    return [
-        Sample(p, c.prompt_ids, c.response_ids, c.logprobs, t, r, c.finished, c.weight_version)
-        for p, c, t, r in zip(expanded, completions, texts, rewards, strict=True)
+    samples = [
+        Sample(p, c.prompt_ids, c.response_ids, c.logprobs, t, 0.0, c.finished, c.weight_version)
+        for p, c, t in zip(expanded, completions, texts, strict=True)
     ]
+    if score is not None:
+        score(samples, n_samples)
+        return samples
+    rewards = score_all(reward_fn, [(s.prompt.text, s.response, s.prompt.label) for s in samples])
+    for sample, reward in zip(samples, rewards, strict=True):
+        sample.reward = reward
+    return samples
 
 
 def multi_turn_answers(
@@ -202,6 +210,7 @@ def evaluate(
     reward_fn: RewardFn,
     seed: int,
     rollout_id: int,
+    score: Callable[[list[Sample], int], None] | None = None,
     agent: Agent | None = None,
 ) -> dict[str, float]:
     """The evaluation metrics of the current weights, as record keys (see the module doc)."""
@@ -212,7 +221,7 @@ def evaluate(
         # greedy decoding draws nothing: no seed, so a remote engine may batch it freely
         sampling_seed = None if params.greedy else eval_seed(seed, rollout_id, eval_set.name)
         samples = sample_answers(
-            engine, encode, eval_set, params, n, reward_fn, sampling_seed, agent
+            engine, encode, eval_set, params, n, reward_fn, sampling_seed, score, agent
         )
         rewards = [s.reward for s in samples]
         key = f"eval/{eval_set.name}"

@@ -33,8 +33,8 @@ def call_key(slot: int, prompt: int, sample: int, turn: int, call: int) -> str:
 
 
 class ToolJournal:
-    """Append-only, fsynced record of tool outcomes in `directory` (None: kept in memory only,
-    for runs without --save, which cannot resume anyway)."""
+    """Append-only, fsynced record of tool outcomes in `directory` (None: nothing is kept, for
+    runs without --save, which cannot resume anyway)."""
 
     def __init__(self, directory: str | Path | None):
         self.directory = Path(directory) if directory is not None else None
@@ -81,10 +81,10 @@ class ToolJournal:
             "status": status,
             "output": output,
         }
+        if self.directory is None:
+            return  # a run without --save cannot resume: nothing would ever read it back
         with self._lock:
             self._entries(slot)[key] = entry
-            if self.directory is None:
-                return
             self.directory.mkdir(parents=True, exist_ok=True)
             line = (json.dumps(entry, sort_keys=True) + "\n").encode()
             fd = os.open(self._path(slot), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
