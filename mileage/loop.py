@@ -46,6 +46,7 @@ def run_eval(run: Run, rollout_id: int) -> dict[str, float]:
         cfg.loop.seed,
         rollout_id,
         run.agent.score if run.agent is not None else None,
+        run.agent,
     )
 
 

@@ -17,7 +17,7 @@ from mileage.models.hf import (
     read_config_json,
     require_chat_template,
 )
-from mileage.models.tiny import build_char_tokenizer, builtin_model_dir, tiny_llama_config
+from mileage.models.tiny import builtin_config, builtin_model_dir, builtin_tokenizer
 from mileage.precision import resolve
 from mileage.rollout.agent import UserFunctions, load_user_functions
 from mileage.rollout.data import EvalSet, Prompt, load_eval_sets, load_train_prompts, task_reward
@@ -26,7 +26,6 @@ from mileage.rollout.evaluation import check_eval_lengths
 from mileage.rollout.rewards import RewardFn, build_reward_fn
 from mileage.rollout.rollout import PromptEncoder
 from mileage.rollout.sizes import check_rollout_sizes
-from mileage.rollout.tasks import builtin_alphabet
 from mileage.rollout.vfenv import check_one_turn
 from mileage.run_config import RunConfig
 from mileage.tracking import check_tracking
@@ -59,10 +58,7 @@ def with_recorded_model(cfg: RunConfig, log) -> RunConfig:
 def model_config_of(cfg: RunConfig) -> dict:
     if cfg.checkpoint.hf_checkpoint:
         return read_config_json(cfg.checkpoint.hf_checkpoint)
-    tok = build_char_tokenizer(builtin_alphabet())
-    return tiny_llama_config(
-        len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
-    ).to_dict()
+    return builtin_config(cfg.data.builtin_task).to_dict()
 
 
 @dataclass
@@ -107,7 +103,7 @@ def preflight(cfg: RunConfig) -> Preflight:
         tokenizer = load_tokenizer(cfg.checkpoint.hf_checkpoint)
         check_weight_files(cfg.checkpoint.hf_checkpoint)
     else:
-        tokenizer = build_char_tokenizer(builtin_alphabet())
+        tokenizer = builtin_tokenizer(cfg.data.builtin_task)
     if cfg.data.apply_chat_template:
         require_chat_template(tokenizer, hf_checkpoint_path(cfg))
     rc = cfg.rollout

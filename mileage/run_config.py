@@ -14,6 +14,7 @@ from mileage.distributed.parallelize import ParallelConfig
 from mileage.errors import UserError
 from mileage.models.lora import LoraConfig
 from mileage.precision import PrecisionConfig
+from mileage.rollout import tool_task
 from mileage.rollout.data import DataConfig
 from mileage.rollout.dynamic import DynamicSamplingConfig
 from mileage.rollout.engines.config import EngineConfig
@@ -43,6 +44,12 @@ DEMO_DEFAULTS = {
     "lr_decay_style": "constant",
     "calculate_per_token_loss": True,
 }
+# A built-in task's own flags: what its prompts need to be answered at all (`addition-tool` turns
+# on the tool loop with its calculator). Applied whenever that task supplies the prompts (no
+# --prompt-data), and only to the flags not given.
+TASK_DEFAULTS = {tool_task.TASK: tool_task.RUN_DEFAULTS}
+# every flag some task sets (marked NotGiven in the parser, so a given one is never overridden)
+TASK_DEFAULTS_ALL = sorted({name for flags in TASK_DEFAULTS.values() for name in flags})
 
 
 class NotGiven:
@@ -58,8 +65,11 @@ class NotGiven:
 
 
 def _apply_demo_defaults(ns: argparse.Namespace) -> dict:
-    """Resolve NotGiven markers: the demo's value for the built-in demo, the flag's otherwise."""
-    demo = getattr(ns, "prompt_data", None) is None and getattr(ns, "hf_checkpoint", None) is None
+    """Resolve NotGiven markers: the demo's value for the built-in demo, the flag's otherwise;
+    then the built-in task's own flags when it supplies the prompts."""
+    builtin_prompts = getattr(ns, "prompt_data", None) is None
+    demo = builtin_prompts and getattr(ns, "hf_checkpoint", None) is None
+    task = TASK_DEFAULTS.get(getattr(ns, "builtin_task", None), {}) if builtin_prompts else {}
     applied = {}
     for name, demo_value in DEMO_DEFAULTS.items():
         value = getattr(ns, name, None)
@@ -67,6 +77,12 @@ def _apply_demo_defaults(ns: argparse.Namespace) -> dict:
             setattr(ns, name, demo_value if demo else value.value)
             if demo:
                 applied[name] = demo_value
+    for name in TASK_DEFAULTS_ALL:
+        value = getattr(ns, name, None)
+        if isinstance(value, NotGiven):
+            setattr(ns, name, task.get(name, value.value))
+            if name in task:
+                applied[name] = task[name]
     return applied
 
 
@@ -143,7 +159,8 @@ class RunConfig:
             add_options(parser, cls, title)
         if asynchronous:
             add_options(parser, AsyncConfig, "async training (train-async)")
-        parser.set_defaults(**{name: NotGiven(parser.get_default(name)) for name in DEMO_DEFAULTS})
+        marked = [*DEMO_DEFAULTS, *TASK_DEFAULTS_ALL]
+        parser.set_defaults(**{name: NotGiven(parser.get_default(name)) for name in marked})
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> RunConfig:
@@ -190,14 +207,17 @@ class RunConfig:
     )
 
     def demo_note(self) -> str | None:
-        """One line naming the demo's own defaults, or None outside the built-in demo."""
+        """One line naming the defaults the built-in demo or task chose, or None."""
         if not self.demo_defaults:
             return None
         values = " ".join(
             f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
             for name, value in self.demo_defaults.items()
         )
-        return f"built-in demo: using its own defaults {values} (run_config.DEMO_DEFAULTS)"
+        return (
+            f"built-in demo: using its own defaults {values} (run_config.DEMO_DEFAULTS, "
+            "TASK_DEFAULTS)"
+        )
 
     def validate(self) -> None:
         r = self.rollout

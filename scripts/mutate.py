@@ -101,6 +101,9 @@ DYNAMIC_ROUNDS = f"{DYNAMIC}::test_rounds_fill_the_batch_in_submission_order_and
 DYNAMIC_ACCOUNT = (
     f"{DYNAMIC}::test_no_trained_group_has_equal_rewards_and_every_drawn_prompt_is_accounted"
 )
+TOOL_TASK = "tests/test_tool_task.py"
+TOOL_TASK_LABELS = f"{TOOL_TASK}::test_warmup_labels_skip_the_prompt_and_the_tool_result"
+TOOL_TASK_RUN = f"{TOOL_TASK}::test_two_rollouts_end_to_end_with_masked_tool_tokens"
 DYNAMIC_CRASH = (
     f"{DYNAMIC}::test_kills_between_rounds_and_in_the_save_resume_to_the_uninterrupted_run"
 )
@@ -1476,6 +1479,30 @@ MUTANTS = [
         "if generates_turns and isinstance(reward_fn, VerifiersScorer):",
         "if False:",
         (f"{VF}::test_training_on_a_taskset_resumes_exactly",),
+    ),
+    Mutant(
+        "tool-task-warmup-trains-the-tool-output",
+        "the addition-tool warm-up trains the model to write the calculator's result",
+        "mileage/models/tiny.py",
+        "labels += piece if trained else [-100] * len(piece)",
+        "labels += piece",
+        (TOOL_TASK_LABELS,),
+    ),
+    Mutant(
+        "tool-task-eval-without-tools",
+        "evaluation answers in one turn although the run generates with the tool loop",
+        "mileage/rollout/evaluation.py",
+        "    if agent is not None and agent.multi_turn:\n        return multi_turn_answers(",
+        "    if False:\n        return multi_turn_answers(",
+        (TOOL_TASK_RUN,),
+    ),
+    Mutant(
+        "tool-task-defaults-not-applied",
+        "--builtin-task addition-tool runs single-turn (its tool flags are not turned on)",
+        "mileage/run_config.py",
+        "            setattr(ns, name, task.get(name, value.value))",
+        "            setattr(ns, name, value.value)",
+        (TOOL_TASK_RUN,),
     ),
     Mutant(
         "tool-tokens-in-loss-mask",

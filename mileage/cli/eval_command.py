@@ -35,6 +35,10 @@ def register(sub) -> None:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from mileage.run_config import RunConfig
 
+    task = _recorded_task(args)
+    if task and args.prompt_data is None:
+        # before the flags resolve: the recorded task's own defaults (its tool loop) apply
+        args = argparse.Namespace(**{**vars(args), "builtin_task": task})
     cfg = RunConfig.from_args(args)
     result = evaluate_checkpoint(cfg, lambda line: print(line, file=sys.stderr))
     if args.json:
@@ -44,16 +48,32 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recorded_task(args: argparse.Namespace) -> str | None:
+    """The built-in task the selected checkpoint was trained on, if it can be read (what cannot
+    is reported by evaluate_checkpoint)."""
+    from mileage.checkpoint.meta import recorded_source, selected_checkpoint
+
+    if not args.load:
+        return None
+    try:
+        checkpoint = selected_checkpoint(args.load, args.ckpt_step, "--ckpt-step")
+        return (recorded_source(checkpoint) or {}).get("builtin_task")
+    except (UserError, OSError, ValueError):
+        return None
+
+
 def evaluate_checkpoint(cfg, log) -> dict:
     """{"checkpoint", "rollout_id", "metrics"} of the checkpoint --load/--ckpt-step selects."""
     from mileage.checkpoint.meta import recorded_model_dir, recorded_source, selected_checkpoint
     from mileage.components import _load_weights
     from mileage.models.hf import load_tokenizer, read_config_json
+    from mileage.rollout.agent import DEFAULT_CONTEXT, Agent, load_user_functions
     from mileage.rollout.data import load_eval_sets, task_reward
     from mileage.rollout.engines.factory import build_engine
     from mileage.rollout.evaluation import check_eval_lengths, evaluate
     from mileage.rollout.rewards import build_reward_fn
     from mileage.rollout.rollout import PromptEncoder
+    from mileage.rollout.sizes import context_length
     from mileage.seeding import configure_determinism
 
     ck = cfg.checkpoint
@@ -96,6 +116,18 @@ def evaluate_checkpoint(cfg, log) -> dict:
     engine = build_engine(
         cfg.engine, model, tokenizer.pad_token_id, tokenizer.eos_token_id, config_dir, log
     )
+    agent = None
+    if cfg.multiturn.multi_turn:
+        # answers go through the run's generate function or tool loop, as in training's evaluation
+        agent = Agent(
+            cfg,
+            load_user_functions(cfg.multiturn),
+            tokenizer,
+            encode,
+            reward_fn,
+            None,
+            context_length(read_config_json(config_dir)) or DEFAULT_CONTEXT,
+        )
     try:
         engine.update_weights(model, int(meta.get("global_step") or 0))
         metrics = evaluate(
@@ -109,8 +141,11 @@ def evaluate_checkpoint(cfg, log) -> dict:
             # a release checkpoint is the weights training would start from
             -1 if rollout_id is None else int(rollout_id),
             lambda samples, n: _score(reward_fn, samples, cfg, n),
+            agent,
         )
     finally:
+        if agent is not None:
+            agent.close()
         engine.close()
     return {"checkpoint": str(Path(checkpoint)), "rollout_id": rollout_id, "metrics": metrics}
 

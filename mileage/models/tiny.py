@@ -31,6 +31,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mileage.errors import UserError
+from mileage.rollout import tool_task
 from mileage.rollout.tasks import builtin_alphabet, builtin_task
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -50,6 +51,22 @@ WARMUP_RECIPE = {
     "threads": 2,
     "version": 3,
 }
+# Per task changes to the recipe. `addition-tool` trains a fixed number of steps: its greedy
+# accuracy is not the point of the warm-up (the direct answer should stay weak and the tool be
+# called only sometimes); what it needs is enough steps to write calls and copy results.
+TASK_RECIPES = {
+    tool_task.TASK: {
+        "max_steps": 600,
+        # stop once the tool path works (greedy accuracy with every answer calling the tool):
+        # copying a call and a result is learned long before adding, so the direct answers are
+        # still weak then, which is what RL starts from
+        "target_accuracy": 0.9,
+        "batch_size": 64,
+        "check_every": 25,
+        "check_size": 128,
+        "threads": 1,
+    }
+}
 # The weights shipped in the package (mileage/models/builtin/TASK.safetensors, fp32, exactly as
 # `save_pretrained` writes them) and their sha256. A damaged install or a Git LFS pointer in
 # place of the file fails this pin instead of loading other weights. Rebuild and re-pin with
@@ -57,6 +74,7 @@ WARMUP_RECIPE = {
 SHIPPED_DIR = Path(__file__).resolve().parent / "builtin"
 SHIPPED_WEIGHTS = {
     "addition": "bab5daaf8ca8ce7e8c23b3a73126ded136e83e9244768a2afdd3ce508e9e1030",
+    "addition-tool": "d65be1df60b3cc1bd78251a16dc85e692c585f0b0b72fb1125bb8b807c4b54b2",
 }
 
 
@@ -111,11 +129,25 @@ def mileage_home() -> Path:
     return Path(os.environ.get("MILEAGE_HOME", Path.home() / ".cache" / "mileage"))
 
 
+def warmup_recipe(task: str) -> dict:
+    return {**WARMUP_RECIPE, **TASK_RECIPES.get(task, {})}
+
+
+def builtin_tokenizer(task: str) -> PreTrainedTokenizerFast:
+    """The character tokenizer of the built-in model for `task`."""
+    return build_char_tokenizer(builtin_alphabet(task))
+
+
+def builtin_config(task: str) -> LlamaConfig:
+    """The architecture of the built-in model for `task` (its vocabulary depends on the task)."""
+    return _builtin_config(builtin_tokenizer(task))
+
+
 def builtin_model_dir(task: str) -> Path:
     """Where the model for `task` lives; the name changes whenever its weights (or recipe) do."""
     if task in SHIPPED_WEIGHTS:
         return mileage_home() / "builtin" / f"tiny-{task}-{SHIPPED_WEIGHTS[task][:12]}"
-    key = json.dumps({"task": task, **WARMUP_RECIPE}, sort_keys=True)
+    key = json.dumps({"task": task, **warmup_recipe(task)}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return mileage_home() / "builtin" / f"tiny-{task}-{digest}"
 
@@ -128,26 +160,34 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _demonstration(tokenizer, record: dict) -> tuple[list[int], list[int]]:
+    """A record's warm-up ids and their labels (-100 where nothing is learned: the prompt, and
+    the tool results of a multi-turn demonstration, which the model reads but never writes)."""
+    ids = tokenizer(record["prompt"])["input_ids"]
+    labels = [-100] * len(ids)
+    for text, trained in record.get("segments") or [(record["label"] + tokenizer.eos_token, True)]:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if trained else [-100] * len(piece)
+    return ids, labels
+
+
 def _warmup_batches(tokenizer, records, batch_size: int, generator: torch.Generator):
     """Endless stream of (input_ids, attention_mask, labels) for supervised warm-up."""
-    eos = tokenizer.eos_token
     while True:
         order = torch.randperm(len(records), generator=generator).tolist()
         for start in range(0, len(order) - batch_size + 1, batch_size):
-            chosen = [records[i] for i in order[start : start + batch_size]]
-            prompts = [tokenizer(r["prompt"])["input_ids"] for r in chosen]
-            answers = [
-                tokenizer(r["label"] + eos, add_special_tokens=False)["input_ids"] for r in chosen
+            rows = [
+                _demonstration(tokenizer, records[i]) for i in order[start : start + batch_size]
             ]
-            width = max(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))
+            width = max(len(seq) for seq, _ in rows)
             ids = torch.full((batch_size, width), tokenizer.pad_token_id)
             mask = torch.zeros((batch_size, width), dtype=torch.long)
             labels = torch.full((batch_size, width), -100)
-            for row, (p, a) in enumerate(zip(prompts, answers, strict=True)):
-                seq = p + a
+            for row, (seq, target) in enumerate(rows):
                 ids[row, : len(seq)] = torch.tensor(seq)
                 mask[row, : len(seq)] = 1
-                labels[row, len(p) : len(seq)] = torch.tensor(a)
+                labels[row, : len(seq)] = torch.tensor(target)
             yield ids, mask, labels
 
 
@@ -161,8 +201,10 @@ def greedy_accuracy(model, tokenizer, records) -> float:
     return sum(d == r["label"] for d, r in zip(decoded, records, strict=True)) / len(records)
 
 
-def warm_up(model, tokenizer, records, recipe: dict, log=print) -> tuple[int, float]:
-    """Supervised warm-up until the target accuracy; returns (steps, accuracy)."""
+def warm_up(model, tokenizer, records, recipe: dict, log=print, check_fn=None) -> tuple[int, float]:
+    """Supervised warm-up until the target accuracy (or `max_steps` when the recipe has none);
+    returns (steps, accuracy). `check_fn(model, tokenizer, records)` measures the accuracy
+    (default: greedy single-turn) and may return (accuracy, other metrics...) to be logged."""
     generator = torch.Generator().manual_seed(recipe["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=recipe["betas"])
     batches = _warmup_batches(tokenizer, records, recipe["batch_size"], generator)
@@ -178,11 +220,14 @@ def warm_up(model, tokenizer, records, recipe: dict, log=print) -> tuple[int, fl
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["clip_grad"])
         opt.step()
+        target = recipe["target_accuracy"]
         if step % recipe["check_every"] == 0:
             model.eval()
-            accuracy = greedy_accuracy(model, tokenizer, check)
-            log(f"  warm-up step {step}  loss {loss.item():.3f}  accuracy {accuracy:.3f}")
-            if accuracy >= recipe["target_accuracy"]:
+            checked = (check_fn or greedy_accuracy)(model, tokenizer, check)
+            accuracy, *rest = checked if isinstance(checked, tuple) else (checked,)
+            extra = "".join(f" / {value:.3f}" for value in rest)
+            log(f"  warm-up step {step}  loss {loss.item():.3f}  accuracy {accuracy:.3f}{extra}")
+            if target is not None and accuracy >= target:
                 break
     model.eval()
     return step, accuracy
@@ -192,19 +237,32 @@ def build_warmed_up_model(
     task: str, log=print
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, dict]:
     """The warm-up from a fixed seed: (model, tokenizer, provenance). Bit-identical on one CPU."""
+    recipe = warmup_recipe(task)
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(WARMUP_RECIPE["threads"])
+    torch.set_num_threads(recipe["threads"])
     try:
         # fork_rng: a run that builds the model leaves the global RNG as one that found it cached
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(WARMUP_RECIPE["seed"])
-            tokenizer = build_char_tokenizer(builtin_alphabet())
+            torch.manual_seed(recipe["seed"])
+            tokenizer = builtin_tokenizer(task)
             model = LlamaForCausalLM(_builtin_config(tokenizer))
             train, _ = builtin_task(task)
-            steps, accuracy = warm_up(model, tokenizer, train, WARMUP_RECIPE, log=log)
+            check_fn = None
+            if task == tool_task.TASK:
+                train = tool_task.warmup_records(train, tokenizer.eos_token)
+                check_fn = tool_task.warmup_check
+            steps, accuracy = warm_up(model, tokenizer, train, recipe, log=log, check_fn=check_fn)
+            if check_fn is not None:
+                # the provenance records the warmed policy as RL finds it
+                tool_path, accuracy, tool_rate = check_fn(
+                    model, tokenizer, train[: recipe["check_size"]]
+                )
     finally:
         torch.set_num_threads(previous_threads)
-    return model, tokenizer, {"task": task, **WARMUP_RECIPE, "steps": steps, "accuracy": accuracy}
+    info = {"task": task, **recipe, "steps": steps, "accuracy": accuracy}
+    if task == tool_task.TASK:
+        info |= {"greedy_tool_use_rate": tool_rate, "greedy_accuracy_calling_the_tool": tool_path}
+    return model, tokenizer, info
 
 
 def build_builtin_weights(task: str, out_dir: Path, log=print) -> Path:
@@ -261,7 +319,7 @@ def _unpack_shipped(task: str, expected: str, staging: Path) -> None:
             f"expected {expected[:16]}...); reinstall mileage, or in a git clone restore the "
             "file (a Git LFS pointer is not the file)"
         )
-    tokenizer = build_char_tokenizer(builtin_alphabet())
+    tokenizer = builtin_tokenizer(task)
     config = _builtin_config(tokenizer)
     # what save_pretrained adds: vLLM and SGLang pick the model class by `architectures`
     config.architectures = [LlamaForCausalLM.__name__]

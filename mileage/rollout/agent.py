@@ -254,6 +254,7 @@ def tool_metrics(samples: list[Sample]) -> dict[str, float]:
         "rollout/tool_errors": float(sum(c.status == TOOL_ERROR for c in calls)),
         "rollout/tool_timeouts": float(sum(c.status == TOOL_TIMEOUT for c in calls)),
         "rollout/mean_turns": sum(s.turns for s in samples) / len(samples),
+        "rollout/tool_use_rate": sum(bool(s.tool_calls) for s in samples) / len(samples),
     }
     for reason in sorted({s.stop_reason for s in samples if s.stop_reason}):
         share = sum(s.stop_reason == reason for s in samples) / len(samples)

@@ -19,7 +19,7 @@ import torch
 
 from mileage.config import option
 from mileage.errors import UserError
-from mileage.rollout import gym, vfenv
+from mileage.rollout import gym, tool_task, vfenv
 from mileage.rollout.tasks import TASKS, builtin_task
 from mileage.seeding import generator_for
 
@@ -316,7 +316,8 @@ def load_eval_sets(cfg: DataConfig) -> list[EvalSet]:
 
 
 def task_reward(cfg: DataConfig) -> Callable[[str, str, str], float] | None:
-    """The task's own scorer when the prompts come from reasoning-gym or verifiers, else None."""
+    """The task's own scorer when the prompts come from reasoning-gym, verifiers, or a built-in
+    task with one (`addition-tool`: the answer after the tool's result), else None."""
     vf_train = vfenv.is_verifiers_spec(cfg.prompt_data)
     vf_evals = _vf_evals(cfg) if cfg.eval_prompt_data else []
     if vf_train or vf_evals:
@@ -332,6 +333,8 @@ def task_reward(cfg: DataConfig) -> Callable[[str, str, str], float] | None:
             scorer.add(vfenv.load_tasks(spec, "--eval-prompt-data"))
         return scorer
     gym_evals = _gym_evals(cfg)
+    if not cfg.prompt_data and not gym_evals and cfg.builtin_task == tool_task.TASK:
+        return tool_task.tool_task_reward
     if not gym.is_gym_spec(cfg.prompt_data) and not gym_evals:
         return None
     scorer = gym.GymScorer()

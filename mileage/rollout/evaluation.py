@@ -7,6 +7,7 @@ answers per prompt and logged as
     eval/NAME/pass@k           unbiased pass@k (Chen et al. 2021), k = 1, 2, 4, ... and n
     eval/NAME/truncated_ratio  answers cut off by --eval-max-response-len
     eval/NAME/response_len     mean answer length in tokens
+    eval/NAME/tool_use_rate    share of answers that called a tool (multi-turn runs only)
 
 and, with exactly one dataset, `eval_accuracy` (its mean reward: the key the progress line,
 `mileage plot` and the recipes read). An answer is correct when its reward is >= 1.
@@ -14,21 +15,32 @@ and, with exactly one dataset, `eval_accuracy` (its mean reward: the key the pro
 Sampled evaluation at rollout N of dataset NAME draws from `SamplingSeed(seed, N,
 "eval/NAME")`: a pure function of the run's seed, the rollout and the dataset, so a resumed run
 evaluates exactly as the uninterrupted one did, and never the numbers training samples with.
+
+A run with a generate function or the tool loop evaluates through it too: an answer may call the
+tools like a training sample (its reward is then scored on the whole trajectory). Evaluation
+trains nothing and is not resumed halfway, so its tool calls are not journaled.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mileage.config import option
 from mileage.errors import UserError
 from mileage.rollout.data import EvalSet
 from mileage.rollout.engines.base import Engine, SamplingParams, SamplingSeed
+from mileage.rollout.journal import ToolJournal
 from mileage.rollout.rewards import RewardFn, score_all
 from mileage.rollout.rollout import PromptEncoder, RolloutConfig, Sample
 from mileage.rollout.sizes import context_length, length_problem, prompt_over
+from mileage.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from mileage.rollout.agent import Agent
 
 # an answer with at least this reward counts as correct (as for the rollouts' `accuracy`)
 CORRECT = 1.0
@@ -138,10 +150,13 @@ def sample_answers(
     reward_fn: RewardFn,
     seed: SamplingSeed | None,
     score: Callable[[list[Sample], int], None] | None = None,
+    agent: Agent | None = None,
 ) -> list[Sample]:
     """`n_samples` scored answers per prompt of `eval_set`, those of one prompt contiguous;
     `score(samples, n)` sets their rewards when given (a reward of the whole sample, --group-rm),
     else `reward_fn(prompt, response, label)`."""
+    if agent is not None and agent.multi_turn:
+        return multi_turn_answers(agent, engine, eval_set, params, n_samples, seed)
     expanded = [p for p in eval_set.prompts for _ in range(n_samples)]
     completions = engine.generate(
         [encode(p.text) for p in expanded], params, seed, group_size=n_samples
@@ -161,6 +176,31 @@ def sample_answers(
     return samples
 
 
+def multi_turn_answers(
+    agent: Agent,
+    engine: Engine,
+    eval_set: EvalSet,
+    params: SamplingParams,
+    n_samples: int,
+    seed: SamplingSeed | None,
+) -> list[Sample]:
+    """The answers of the run's generate function or tool loop, scored by the run's reward."""
+    evaluator = copy.copy(agent)
+    evaluator.journal = ToolJournal(None)  # in memory: never mixed with training's slots
+    # the agent keys each sample's seed on (seed, rollout id, position, index): an evaluation
+    # seed derived from the dataset's keeps it off the numbers training draws
+    run_seed = 0 if seed is None else derive_seed(seed.seed, seed.purpose, seed.rollout_id)
+    rollout_id = 0 if seed is None else seed.rollout_id
+    return evaluator.generate(
+        engine, eval_set.prompts, params, n_samples, run_seed, rollout_id, lambda: []
+    )
+
+
+def tool_use_rate(samples: list[Sample]) -> float:
+    """The share of samples that called a tool at least once."""
+    return sum(bool(s.tool_calls) for s in samples) / len(samples)
+
+
 def evaluate(
     engine: Engine,
     encode: PromptEncoder,
@@ -171,6 +211,7 @@ def evaluate(
     seed: int,
     rollout_id: int,
     score: Callable[[list[Sample], int], None] | None = None,
+    agent: Agent | None = None,
 ) -> dict[str, float]:
     """The evaluation metrics of the current weights, as record keys (see the module doc)."""
     params = cfg.sampling(rollout)
@@ -180,7 +221,7 @@ def evaluate(
         # greedy decoding draws nothing: no seed, so a remote engine may batch it freely
         sampling_seed = None if params.greedy else eval_seed(seed, rollout_id, eval_set.name)
         samples = sample_answers(
-            engine, encode, eval_set, params, n, reward_fn, sampling_seed, score
+            engine, encode, eval_set, params, n, reward_fn, sampling_seed, score, agent
         )
         rewards = [s.reward for s in samples]
         key = f"eval/{eval_set.name}"
@@ -188,6 +229,8 @@ def evaluate(
         metrics |= {f"{key}/{name}": v for name, v in pass_rates(rewards, n).items()}
         metrics[f"{key}/truncated_ratio"] = sum(not s.finished for s in samples) / len(samples)
         metrics[f"{key}/response_len"] = sum(len(s.response_ids) for s in samples) / len(samples)
+        if agent is not None and agent.multi_turn:
+            metrics[f"{key}/tool_use_rate"] = tool_use_rate(samples)
     if len(eval_sets) == 1:
         metrics["eval_accuracy"] = metrics[f"eval/{eval_sets[0].name}"]
     return metrics

@@ -2,7 +2,8 @@
 
 `addition`: two 2-digit numbers, answer written least-significant digit first ("07+45=" -> "25"),
 which makes carries learnable left to right. `reversal`: reverse a short lowercase string
-("abcd>" -> "dcba"). Every split is a pure function of the task name, so any machine builds the
+("abcd>" -> "dcba"). `addition-tool` (rollout/tool_task.py): sums of two 5-digit numbers, with a
+calculator the model may call. Every split is a pure function of the task name, so any machine builds the
 same prompts in the same order.
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import random
 
-TASKS = ("addition", "reversal", "mixed")
+from mileage.rollout import tool_task
+
+TASKS = ("addition", "reversal", "mixed", tool_task.TASK)
 HELD_OUT_SIZE = 500
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -51,6 +54,8 @@ def builtin_task(name: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]
         return _split(_addition(), name)
     if name == "reversal":
         return _split(_reversal(), name)
+    if name == tool_task.TASK:
+        return _split(tool_task.tool_task_records(), name)
     if name == "mixed":
         add_train, add_test = builtin_task("addition")
         rev_train, rev_test = builtin_task("reversal")
@@ -60,6 +65,8 @@ def builtin_task(name: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]
     raise ValueError(f"unknown built-in task {name!r}; choose from {', '.join(TASKS)}")
 
 
-def builtin_alphabet() -> str:
-    """Every character any built-in prompt or answer uses."""
-    return "0123456789+=>" + LETTERS
+def builtin_alphabet(task: str | None = None) -> str:
+    """Every character the prompts and answers of the built-in tasks use; `addition-tool` adds
+    its call and result brackets at the end (so the ids of the others' characters stay)."""
+    base = "0123456789+=>" + LETTERS
+    return base + tool_task.EXTRA_ALPHABET if task == tool_task.TASK else base

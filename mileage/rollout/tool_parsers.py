@@ -74,7 +74,24 @@ def render_hermes(outputs: list[str]) -> str:
     return "".join(f"\n<tool_response>\n{out}\n</tool_response>" for out in outputs) + "\n"
 
 
+# The built-in character model's compact format (`--builtin-task addition-tool`,
+# mileage/rollout/tool_task.py): one character per token, so a call is as short as can be:
+# `[EXPRESSION]` calls the calculator, and its output comes back between braces, `{OUTPUT}`.
+CALC_TOOL = "calculator"
+CALC_CALL = re.compile(r"\[([^\[\]]*)\]")
+
+
+def parse_calc(text: str) -> list[ParsedCall]:
+    """Each `[EXPRESSION]` in the text is a calculator call (`{"expression": EXPRESSION}`)."""
+    return [ParsedCall(CALC_TOOL, {"expression": m.group(1)}) for m in CALC_CALL.finditer(text)]
+
+
+def render_calc(outputs: list[str]) -> str:
+    return "".join(f"{{{out}}}" for out in outputs)
+
+
 PARSERS: dict[str, ToolFormat] = {
+    "calc": ToolFormat(parse_calc, render_calc),
     # sglang's names for the same format, so miles' flag values work unchanged
     "qwen25": ToolFormat(parse_hermes, render_hermes),
     "qwen": ToolFormat(parse_hermes, render_hermes),
