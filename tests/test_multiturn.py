@@ -373,3 +373,17 @@ def test_chat_prompts_tools_and_tool_messages_go_through_the_template():
     )
     with pytest.raises(UserError, match="append-only"):
         template_tool_ids(tok, ["31"], calls[:1], turn)
+
+
+def test_a_taken_parser_name_is_refused_not_replaced():
+    """A user module registering `calc` (the built-in task's format) must not silently change
+    what runs using `--generate-tool-call-parser calc` parse; the same function again (a module
+    imported twice) is fine."""
+    from mileage.rollout import tool_parsers
+
+    builtin = tool_parsers.PARSERS["calc"]
+    with pytest.raises(UserError, match="'calc' is already registered"):
+        tool_parsers.register_parser("calc", lambda text: [])
+    assert tool_parsers.PARSERS["calc"] is builtin
+    tool_parsers.register_parser("calc", builtin.parse, builtin.render)
+    assert tool_parsers.PARSERS["calc"].parse is builtin.parse

@@ -101,8 +101,21 @@ DEFAULT_PARSER = "qwen25"
 
 
 def register_parser(name: str, parse: Parse, render: Render = render_hermes) -> None:
-    """Make `--generate-tool-call-parser name` select `parse` (and `render`)."""
+    """Make `--generate-tool-call-parser name` select `parse` (and `render`). A name already
+    taken by another function is refused: replacing a built-in parser silently would change
+    what every run using that name trains on. (Registering the same function again, as a
+    re-imported module does, is allowed.)"""
+    known = PARSERS.get(name)
+    if known is not None and _qualified(known.parse) != _qualified(parse):
+        raise UserError(
+            f"tool-call parser {name!r} is already registered ({_qualified(known.parse)}); "
+            "register yours under another name"
+        )
     PARSERS[name] = ToolFormat(parse, render)
+
+
+def _qualified(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def tool_format(name: str) -> ToolFormat:
