@@ -241,10 +241,6 @@ class RunConfig:
         ):
             if top_p is not None and not 0.0 < top_p <= 1.0:
                 raise UserError(f"{flag} must be in (0, 1], got {top_p}")
-        if self.data.eval_tool_key is not None:
-            raise UserError(
-                "--eval-tool-key: tool calling is not supported yet (evaluation answers in one turn)"
-            )
         self.algo.validate(r.n_samples_per_prompt)
         self.critic.validate(self.algo.advantage_estimator)
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))

@@ -154,8 +154,27 @@ def test_named_eval_sets_log_pass_at_k_and_mileage_eval_reproduces_them(
     assert evals(resumed) == evals(save)
 
 
+def test_eval_tool_key_reads_the_evaluation_datas_tools(tmp_path):
+    """--eval-tool-key names the evaluation data's tools key (miles' meaning), --tool-key's
+    when not given; the prompts carry them to the tool loop."""
+    from mileage.rollout.data import load_eval_sets
+
+    spec = {"type": "function", "function": {"name": "add", "parameters": {}}}
+    path = tmp_path / "e.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "1+2=", "label": "3", "fns": [spec]}) + "\n"
+        + json.dumps({"prompt": "2+2=", "label": "4"}) + "\n"
+    )  # fmt: skip
+    (held,) = load_eval_sets(DataConfig(eval_prompt_data=["e", str(path)], eval_tool_key="fns"))
+    assert [p.tools for p in held.prompts] == [[spec], None]
+    (plain,) = load_eval_sets(DataConfig(eval_prompt_data=["e", str(path)]))  # --tool-key: tools
+    assert [p.tools for p in plain.prompts] == [None, None]
+
+
 def test_bad_eval_input_is_one_line_exit_2(tmp_path, capsys):
     a, _ = _write_sets(tmp_path)
+    bad_tools = tmp_path / "bad_tools.jsonl"
+    bad_tools.write_text(json.dumps({"prompt": "1+2=", "label": "3", "fns": "add"}) + "\n")
     cases = {
         "a name without a path": (
             ["train", "--eval-prompt-data", "a", a, "b"],
@@ -169,9 +188,9 @@ def test_bad_eval_input_is_one_line_exit_2(tmp_path, capsys):
             ["train", "--n-samples-per-eval-prompt", "0"],
             "--n-samples-per-eval-prompt must be positive, got 0",
         ),
-        "tools": (
-            ["train", "--eval-tool-key", "tools"],
-            "--eval-tool-key: tool calling is not supported yet",
+        "tools that are not a list": (
+            ["train", "--eval-prompt-data", "a", bad_tools, "--eval-tool-key", "fns"],
+            "'fns' must be a list of tool dicts",
         ),
         "eval without --load": (["eval", "--eval-prompt-data", "a", a], "needs --load RUN"),
         "eval of a missing run": (

@@ -51,7 +51,7 @@ class DataConfig:
     eval_input_key: str | None = option(None, "--input-key of the evaluation data (default: it)")
     eval_label_key: str | None = option(None, "--label-key of the evaluation data (default: it)")
     eval_tool_key: str | None = option(
-        None, "key of the evaluation data's tool specs (refused: tool calling is not supported yet)"
+        None, "--tool-key of the evaluation data (default: it); its tools go to the tool loop"
     )
     tool_key: str = option(
         "tools",
@@ -302,7 +302,12 @@ def load_eval_sets(cfg: DataConfig) -> list[EvalSet]:
                 else _vf_prompts(vfs[name], cfg.apply_chat_template, "--eval-prompt-data")
                 if name in vfs
                 else load_prompts(
-                    source, input_key, label_key, "--eval-input-key/--eval-label-key"
+                    source,
+                    input_key,
+                    label_key,
+                    "--eval-input-key/--eval-label-key",
+                    cfg.eval_tool_key or cfg.tool_key,
+                    cfg.metadata_key,
                 ),
             )
             for name, source in eval_sources(cfg)
