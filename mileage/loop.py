@@ -69,20 +69,25 @@ def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
         return load_samples(
             rc.load_debug_rollout_data, rollout_id, prompts, rc.n_samples_per_prompt
         )
-    samples = generate_samples(
+    samples = generate(run, rollout_id, prompts)
+    if rc.save_debug_rollout_data and env.is_main():
+        save_samples(rc.save_debug_rollout_data, rollout_id, samples)
+    return samples
+
+
+def generate(run: Run, rollout_id: int, prompts) -> list:
+    """The scored groups of `prompts`, sampled with the seed of `rollout_id`."""
+    return generate_samples(
         run.engine,
         run.encode,
         prompts,
         run.sampling,
-        rc.n_samples_per_prompt,
+        run.cfg.rollout.n_samples_per_prompt,
         run.reward_fn,
         run.cfg.loop.seed,
         rollout_id,
         run.agent,
     )
-    if rc.save_debug_rollout_data and env.is_main():
-        save_samples(rc.save_debug_rollout_data, rollout_id, samples)
-    return samples
 
 
 def user_rollout(run: Run, rollout_id: int) -> list:
@@ -95,17 +100,7 @@ def user_rollout(run: Run, rollout_id: int) -> list:
         run.engine,
         rollout_id,
         run.data,
-        lambda prompts: generate_samples(
-            run.engine,
-            run.encode,
-            prompts,
-            run.sampling,
-            rc.n_samples_per_prompt,
-            run.reward_fn,
-            run.cfg.loop.seed,
-            rollout_id,
-            run.agent,
-        ),
+        lambda prompts: generate(run, rollout_id, prompts),
     )
     if rc.save_debug_rollout_data and env.is_main():
         save_samples(rc.save_debug_rollout_data, rollout_id, samples)

@@ -100,3 +100,35 @@ def test_train_async_at_staleness_0_runs_the_same_trajectories(reference, tmp_pa
         theirs = json.loads((reference.parent / "samples" / f"{rollout_id}.json").read_text())
         assert mine["samples"] == theirs["samples"]
     assert [d for d in compare_runs(reference, save) if d.startswith(TENSOR_DIFF)] == []
+
+
+def test_through_mileage_serve_kills_while_tools_run_resume_exactly(builtin_model, tmp_path):
+    """The same tool loop with the engine behind HTTP (`mileage serve`, SGLang's API): token ids
+    in and out, a seed per call, so a rollout killed while its tools run is generated again
+    with the same tokens, and the run ends on the uninterrupted one's tensors."""
+    from mileage.testing.servers import start_servers
+
+    (server,) = start_servers(builtin_model, 1)
+    try:
+        args = [*ARGS, "--rollout-engine", "sglang", "--rollout-url", server.url,
+                "--rollout-timeout", "30"]  # fmt: skip
+        reference = tmp_path / "reference"
+        run_uninterrupted(args, reference)
+        records = read_records(reference)
+        assert sum(r["rollout/tool_calls"] for r in records) > 0
+        # the server's log-probs are the trainer's: the tool tokens between turns did not shift
+        # what the engine saw from what the trainer scores
+        assert all(r["logprob_abs_diff"] < 1e-3 for r in records), records
+        save = tmp_path / "run"
+        outcomes = run_with_kills(args, save, CHAIN[:1])
+        table = outcome_table(outcomes)
+        assert [o.status for o in outcomes] == ["killed"], table
+        assert not outcomes[0].problems, table
+        diffs = compare_runs(reference, save)
+        assert [d for d in diffs if not d.startswith(LEFTOVER_DIFF)] == [], table
+    finally:
+        server.stop()
+
+
+def read_records(save: Path) -> list[dict]:
+    return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
