@@ -54,6 +54,9 @@ def test_recorded_logprobs_equal_the_trainers(tiny_hf):
                 0.0,
             )
 
+        def mask(self) -> list[int]:
+            return [1] * len(self.response_ids)
+
     batch = pack_samples([S(c) for c in completions], pad_id=0)
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, batch, temperature=0.7)

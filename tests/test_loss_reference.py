@@ -33,6 +33,10 @@ class Sample:
     logprobs: list[float]
     reward: float
 
+    def mask(self) -> list[int]:
+        """Every response token is the policy's (pack_samples' per-token loss mask)."""
+        return [1] * len(self.response_ids)
+
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)

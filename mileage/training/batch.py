@@ -73,7 +73,8 @@ class TrainBatch:
 
 
 def pack_samples(samples, pad_id: int) -> TrainBatch:
-    """Samples (with prompt_ids, response_ids, logprobs, reward) -> a right-padded TrainBatch."""
+    """Samples (prompt_ids, response_ids, logprobs, reward, and `mask()`: the per-response-token
+    loss mask) -> a right-padded TrainBatch."""
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     n = len(samples)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
