@@ -108,17 +108,20 @@ def test_through_mileage_serve_kills_while_tools_run_resume_exactly(builtin_mode
     with the same tokens, and the run ends on the uninterrupted one's tensors."""
     from mileage.testing.servers import start_servers
 
-    (server,) = start_servers(builtin_model, 1)
+    # fp32 on both sides: the log-prob check below is then to the summation order alone
+    (server,) = start_servers(builtin_model, 1, args=("--dtype", "float32"))
     try:
         args = [*ARGS, "--rollout-engine", "sglang", "--rollout-url", server.url,
-                "--rollout-timeout", "30"]  # fmt: skip
+                "--rollout-timeout", "30", "--precision", "fp32"]  # fmt: skip
         reference = tmp_path / "reference"
         run_uninterrupted(args, reference)
         records = read_records(reference)
         assert sum(r["rollout/tool_calls"] for r in records) > 0
         # the server's log-probs are the trainer's: the tool tokens between turns did not shift
         # what the engine saw from what the trainer scores
-        assert all(r["logprob_abs_diff"] < 1e-3 for r in records), records
+        assert all(r["logprob_abs_diff"] < 1e-4 for r in records), [
+            r["logprob_abs_diff"] for r in records
+        ]
         save = tmp_path / "run"
         outcomes = run_with_kills(args, save, CHAIN[:1])
         table = outcome_table(outcomes)
