@@ -444,3 +444,27 @@ def test_a_lora_run_syncs_the_adapter_alone_or_merged_weights(
         assert done.stdout.count("given merged weights") == 1, done.stdout
         assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in done.stdout, done.stdout
         assert len(full) == 4  # the base, then merged weights at every sync (the first again)
+
+
+def test_the_tool_loop_runs_through_vllm_with_token_ids_in_and_out(
+    cli, builtin_model, fake_vllm, tmp_path
+):
+    """Multi-turn with tools on the vLLM engine: every turn's input is the previous ids plus the
+    tool's (sent as token ids, never re-tokenized), so the trainer's log-probs of the model's
+    own tokens equal the server's and the tool tokens stay out of the loss."""
+    tools = Path(__file__).with_name("multiturn_tools.py")
+    save = tmp_path / "run"
+    args = builtin_train_args(
+        "--rollout-engine", "vllm", "--vllm-python", sys.executable,
+        "--vllm-start-timeout", "120", "--global-batch-size", "16", "--precision", "fp32",
+        "--generate-execute-tool-function-path", f"{tools}:tool",
+        "--generate-tool-call-parser", "odd_digit", "--generate-max-turns", "3",
+        "--tool-timeout", "1", "--rollout-max-response-len", "4",
+    )  # fmt: skip
+    done = cli("train", *args, "--num-rollout", "2", "--save", save, env=fake_vllm)
+    assert done.returncode == 0, done.stderr
+    records = read_metrics(save)
+    assert sum(r["rollout/tool_calls"] for r in records) > 0, records
+    assert all(r["logprob_abs_diff"] < 1e-4 for r in records), [
+        r["logprob_abs_diff"] for r in records
+    ]
