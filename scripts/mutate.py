@@ -1554,6 +1554,17 @@ MUTANTS = [
         "if not self.pending:",
         (f"{MULTITURN}::test_turn_synchronous_batches_and_seeds",),
     ),
+    Mutant(
+        "pool-leaves-a-server-out-silently",
+        "a server that missed a weight sync is left out of generation without a word",
+        "mileage/rollout/engines/http.py",
+        "for url in sorted(left_out):",
+        "for url in sorted(left_out - left_out):",
+        (
+            "tests/test_sglang_client.py::"
+            "test_a_server_left_out_of_generation_is_named_once_and_when_it_is_back",
+        ),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)

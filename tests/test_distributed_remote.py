@@ -223,3 +223,29 @@ def test_n2_broadcast_killed_between_buckets_on_either_rank_resumes_to_the_unint
     assert [o.status for o in outcomes] == ["killed"] * len(kills), table
     assert all(o.intact and o.resumed and not o.problems for o in outcomes), table
     assert compare_runs(reference[0], killed) == [], table
+
+
+def test_n2_a_server_killed_mid_rollout_and_then_a_rank_resume_to_the_uninterrupted_run(
+    reference, servers, builtin_model, tmp_path
+):
+    """A server is SIGKILLed while it generates rollout 0 (its second `/generate`): rank 0
+    retries its groups on the other server, with the same row seeds, so the samples are the
+    ones the healthy pair drew, and the next weight sync names the dead server as left out.
+    Then rank 1 is killed in rollout 1's training, after the surviving server got weights no
+    checkpoint holds, and the same command (still naming the dead server) runs again: it goes
+    on with the live one and lands on the uninterrupted run in every tensor."""
+    save, _ = reference
+    (dying,) = start_servers(builtin_model, 1, env={"MILEAGE_SERVE_FAULT": "die:2"})
+    try:
+        killed = tmp_path / "killed"
+        kills = [Kill.at("after_train", 2, rank=1)]
+        outcomes = run_with_kills(args_for([dying.url, servers[0]], 2), killed, kills,
+                                  max_reruns=1, nproc=NPROC, env=torchrun_env(), timeout=600)  # fmt: skip
+        table = outcome_table(outcomes)
+        assert not dying.alive(), "the faulty server should have died in rollout 0"
+        assert [o.status for o in outcomes] == ["killed"], table
+        assert f"{dying.url} is left out of generation" in outcomes[0].launch.stdout, table
+        assert all(o.resumed and not o.problems for o in outcomes), table
+        assert compare_runs(save, killed) == [], table
+    finally:
+        dying.stop()

@@ -112,6 +112,25 @@ def test_an_unreachable_server_counts_as_failed_and_is_checked_again(fakes):
     assert engine.checked == {honest.url}
 
 
+def test_a_server_left_out_of_generation_is_named_once_and_when_it_is_back(fakes, monkeypatch):
+    honest, dead = fakes(), "http://127.0.0.1:9"
+    lines: list[str] = []
+    engine = engine_on([honest.url, dead], log=lines.append)
+    engine.load_weights_from("/weights", 1)
+    engine.load_weights_from("/weights", 2)
+    assert engine.pool.excluded == {dead}
+    assert lines == [
+        f"sglang rollout: {dead} is left out of generation until a weight sync reaches it "
+        f"({dead}/get_server_info: [Errno 111] Connection refused)"
+    ]
+    # the server answers again: the next sync reaches it, and the log says so
+    monkeypatch.setattr(engine.pool, "broadcast", lambda *a, **k: dict.fromkeys(engine.pool.urls))
+    monkeypatch.setattr(engine, "_check_reachable", lambda: {})
+    engine.load_weights_from("/weights", 3)
+    assert engine.pool.excluded == set()
+    assert lines[-1] == f"sglang rollout: {dead} is back (it loaded weight version 3)"
+
+
 def test_train_refuses_a_server_without_deterministic_inference(fakes, tiny_hf, capsys):
     careless = fakes(info={"enable_deterministic_inference": False})
     args = ["--rollout-engine", "sglang", "--rollout-url", careless.url, "--num-rollout", "1"]

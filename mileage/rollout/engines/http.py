@@ -85,8 +85,16 @@ def describe(exc: BaseException) -> str:
 class ServerPool:
     """The servers of one engine; `map` spreads requests over them, `broadcast` hits each."""
 
-    def __init__(self, urls: Sequence[str], timeout: float, attempts: int, what: str):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        timeout: float,
+        attempts: int,
+        what: str,
+        log: Callable[[str], None] = print,
+    ):
         self.urls = [u.rstrip("/") for u in urls]
+        self.log = log  # says when a server is left out of generation, and when it is back
         self.timeout = timeout
         self.attempts = attempts
         self.what = what  # names the engine in error messages
@@ -215,5 +223,14 @@ class ServerPool:
                 "the last checkpoint is untouched: rerun the same command once a server is healthy"
             )
         with self._lock:
+            left_out, back = set(failed) - self.excluded, self.excluded - set(failed)
             self.excluded = set(failed)
             self.failed -= set(self.urls) - set(failed)  # a server that just synced is healthy
+        # once per change, not per sync: a dead server would otherwise repeat every rollout
+        for url in sorted(left_out):
+            self.log(
+                f"{self.what}: {url} is left out of generation until a weight sync reaches "
+                f"it ({failed[url].removeprefix(f'{self.what}: ')})"
+            )
+        for url in sorted(back):
+            self.log(f"{self.what}: {url} is back (it loaded weight version {version})")

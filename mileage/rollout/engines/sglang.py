@@ -72,7 +72,7 @@ class SGLangEngine:
         buffer_size: int | None = None,
         log=print,
     ):
-        self.pool = ServerPool(urls, timeout, attempts, "sglang rollout")
+        self.pool = ServerPool(urls, timeout, attempts, "sglang rollout", log)
         # requests in flight per server (--sglang-server-concurrency): SGLang batches them
         # continuously; replies are taken in submission order, each row has its own seed
         self.pool.in_flight = concurrency
