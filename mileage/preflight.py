@@ -20,9 +20,10 @@ from mileage.models.hf import (
 from mileage.models.tiny import builtin_config, builtin_model_dir, builtin_tokenizer
 from mileage.precision import resolve
 from mileage.rollout.agent import UserFunctions, load_user_functions
-from mileage.rollout.data import EvalSet, Prompt, load_eval_sets, load_train_prompts, task_reward
+from mileage.rollout.data import EvalSet, load_eval_sets, load_train_prompts, task_reward
 from mileage.rollout.dynamic import BufferFilter, GroupFilter, load_function, load_group_filter
 from mileage.rollout.evaluation import check_eval_lengths
+from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, build_reward_fn
 from mileage.rollout.rollout import PromptEncoder
 from mileage.rollout.sizes import check_rollout_sizes

@@ -11,7 +11,7 @@ import torch
 
 from mileage.async_config import AsyncConfig
 from mileage.rollout.buffer import RolloutBuffer
-from mileage.rollout.data import Prompt
+from mileage.rollout.prompts import Prompt
 from mileage.rollout.rollout import Sample, inadmissible, load_samples
 from mileage.training.losses import ppo_clip_loss
 from mileage.training.offpolicy import decoupled_weights

@@ -16,8 +16,8 @@ import torch
 
 from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.models.hf import load_causal_lm, load_tokenizer
-from mileage.rollout.data import Prompt
 from mileage.rollout.engine import LocalEngine, SamplingParams
+from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards.rules import exact_reward
 from mileage.rollout.rollout import PromptEncoder, generate_samples
 from mileage.training.actor import Actor, AlgoConfig, sequence_logprobs

@@ -17,10 +17,10 @@ from typing import Any
 
 from mileage.errors import UserError
 from mileage.rollout.client import TokenClient, TurnBatcher
-from mileage.rollout.data import Prompt
 from mileage.rollout.engines.base import Engine, SamplingParams
 from mileage.rollout.journal import ToolJournal
 from mileage.rollout.multiturn import GenerateContext, MultiTurnConfig, tool_loop
+from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, score_samples
 from mileage.rollout.sample import TOOL_ERROR, TOOL_TIMEOUT, Sample
 from mileage.rollout.tool_parsers import ToolFormat, tool_format

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mileage.rollout.data import Prompt
+from mileage.rollout.prompts import Prompt
 from mileage.rollout.rollout import inadmissible
 from mileage.rollout.sample import Sample
 

@@ -24,7 +24,7 @@ from mileage.config import option
 from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.rollout.buffer import Group, RolloutBuffer
-from mileage.rollout.data import Prompt
+from mileage.rollout.prompts import Prompt
 from mileage.rollout.sample import Sample
 from mileage.rollout.userfn import load_function
 

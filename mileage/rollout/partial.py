@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.rollout.buffer import Group, RolloutBuffer
-from mileage.rollout.data import Prompt
 from mileage.rollout.dynamic import (
     BufferFilter,
     DynamicSamplingConfig,
@@ -40,6 +39,7 @@ from mileage.rollout.dynamic import (
     take_buffered,
 )
 from mileage.rollout.engines.base import Completion, Engine, SamplingParams, SamplingSeed
+from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, score_all
 from mileage.rollout.rollout import PromptEncoder, Sample, inadmissible
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from mileage.config import option
 from mileage.errors import UserError
-from mileage.rollout.data import Prompt
 from mileage.rollout.engines.base import Engine, SamplingParams, SamplingSeed
+from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, score_all
 from mileage.rollout.sample import Sample
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mileage.rollout.data import Prompt
+from mileage.rollout.prompts import Prompt
 
 # why a trajectory ended (`Sample.stop_reason`)
 STOP = "stop"  # the model ended its turn (EOS) without calling a tool

@@ -1,0 +1,118 @@
+"""A prompt record, and the prompt files it is read from: JSONL (a string or an OpenAI-style
+message list per record, with optional tool specs and metadata) and Parquet columns.
+
+Every reader names the file, line and key of the first bad record, as one `UserError` line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mileage.errors import UserError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int  # position in the dataset; stable across runs
+    text: str  # the prompt text (for a message list: the last user message's content)
+    label: str
+    # a chat prompt: the record's message list (rendered through the chat template)
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # the record's tool specs (--tool-key)
+    metadata: dict[str, Any] | None = None  # the record's metadata (--metadata-key)
+
+
+def prompt_from_record(
+    index: int, record: dict[str, Any], input_key: str, label_key: str, where: str
+) -> Prompt:
+    """One record's prompt: its input is a string or an OpenAI-style message list; its tools
+    and metadata come from the data config's keys when the caller found them."""
+    value = record[input_key]
+    messages = None
+    if isinstance(value, list):
+        if not value or not all(isinstance(m, dict) and "role" in m for m in value):
+            raise UserError(f"{where}: {input_key!r} must be a string or a list of messages")
+        messages = value
+        users = [m for m in value if m.get("role") == "user"]
+        text = str((users or value)[-1].get("content", ""))
+    else:
+        text = str(value)
+    return Prompt(index, text, str(record[label_key]), messages)
+
+
+KEY_FLAGS = "--input-key/--label-key"
+
+
+def load_jsonl(
+    path: str,
+    input_key: str,
+    label_key: str,
+    key_flags: str = KEY_FLAGS,
+    tool_key: str | None = None,
+    metadata_key: str | None = None,
+) -> list[Prompt]:
+    """Read prompts from JSONL, naming the file and line of the first bad record."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"prompt file not found: {path}")
+    prompts = []
+    with file.open(encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            for key in (input_key, label_key):
+                if not isinstance(record, dict) or key not in record:
+                    raise UserError(f"{path}:{lineno}: missing key {key!r} (set {key_flags})")
+            where = f"{path}:{lineno}"
+            prompt = prompt_from_record(len(prompts), record, input_key, label_key, where)
+            tools = record.get(tool_key) if tool_key else None
+            if tools is not None and not (
+                isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+            ):
+                raise UserError(f"{where}: {tool_key!r} must be a list of tool dicts")
+            metadata = record.get(metadata_key) if metadata_key else None
+            if metadata is not None and not isinstance(metadata, dict):
+                raise UserError(f"{where}: {metadata_key!r} must be a JSON object")
+            prompts.append(replace(prompt, tools=tools, metadata=metadata))
+    if not prompts:
+        raise UserError(f"prompt file is empty: {path}")
+    return prompts
+
+
+def load_parquet(
+    path: str, input_key: str, label_key: str, key_flags: str = KEY_FLAGS
+) -> list[Prompt]:
+    """Read prompts from the `input_key` and `label_key` columns of a Parquet file."""
+    if not Path(path).is_file():
+        raise UserError(f"prompt file not found: {path}")
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"reading {path} needs pyarrow: pip install 'mileage[parquet]'") from None
+    try:
+        columns = pq.read_schema(path).names
+        missing = [key for key in (input_key, label_key) if key not in columns]
+        if missing:
+            raise UserError(
+                f"{path}: missing column {missing[0]!r} (set {key_flags}); "
+                f"columns: {', '.join(columns)}"
+            )
+        table = pq.read_table(path, columns=[input_key, label_key]).to_pydict()
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for corrupt files
+        raise UserError(f"{path}: not a readable Parquet file ({exc})") from None
+    prompts = [
+        Prompt(i, str(text), str(label))
+        for i, (text, label) in enumerate(zip(table[input_key], table[label_key], strict=True))
+    ]
+    if not prompts:
+        raise UserError(f"prompt file is empty: {path}")
+    return prompts
