@@ -17,13 +17,8 @@ Endpoints (the SGLang request and reply shapes, the subset mileage uses):
 - `GET /get_server_info`: SGLang's fields that clients read: `tp_size`, `pp_size`, `dp_size`
   (1 each), `dtype` (the weights'), `enable_deterministic_inference` (true: seeds are honoured),
   `model_path`, `weight_version`.
-- `POST /init_weights_update_group` (`master_address`, `master_port`, `rank_offset`,
-  `world_size`, `group_name`, `backend`) and `POST /update_weights_from_distributed` (`names`,
-  `dtypes`, `shapes`, `group_name`, optional `weight_version`): SGLang's weight transfer over a
-  collective, with gloo (this server runs on the CPU); `--rollout-weight-sync broadcast` uses
-  them (`mileage/rollout/engines/broadcast.py`). An update may take several calls (buckets);
-  each loads its tensors, and the call with a `weight_version` ends the update: it is refused
-  unless every tensor of the model arrived since the last completed update.
+- `POST /init_weights_update_group` and `POST /update_weights_from_distributed`: SGLang's
+  weight transfer over a collective, in buckets: `mileage/serve_broadcast.py`.
 
 Requests run one at a time, with a fixed thread count and deterministic algorithms, and a row
 with a `sampling_seed` draws from its own generator seeded with it: its sample is a function of
@@ -47,11 +42,11 @@ import torch
 
 from mileage.errors import UserError
 from mileage.models.hf import load_causal_lm, load_tokenizer
-from mileage.models.tensors import model_tensors
 from mileage.precision import BF16, FP32, resolve, set_precision, torch_dtype_name
 from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
 from mileage.rollout.sizes import kv_cache_problem, length_problem
 from mileage.seeding import configure_determinism
+from mileage.serve_broadcast import BroadcastEndpoints
 from mileage.serve_lora import AdapterEndpoints, lora_name_of
 
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "sampling_seed", "top_k", "n"}
@@ -80,8 +75,7 @@ class EngineServer:
         self.vocab_size = self.engine.model.config.vocab_size
         self.model_config = self.engine.model.config.to_dict()
         self.generate_count = 0
-        self.groups: dict = {}  # weight-update process groups by name
-        self.pending: set[str] = set()  # tensors of an update whose last bucket is still to come
+        self.broadcast = BroadcastEndpoints(self)
         self.lora = AdapterEndpoints(self, enable_lora)
         kind, _, count = os.environ.get("MILEAGE_SERVE_FAULT", "").partition(":")
         self.fault = (kind, int(count)) if kind else None
@@ -132,74 +126,6 @@ class EngineServer:
             "max_lora_rank": None,
             "lora_target_modules": None,
         }
-
-    def init_weights_update_group(self, body: dict) -> dict:
-        from mileage.rollout.engines.broadcast import join_group
-
-        try:
-            address, port = str(body["master_address"]), int(body["master_port"])
-            rank, world_size = int(body["rank_offset"]), int(body["world_size"])
-            name, backend = str(body["group_name"]), str(body.get("backend", "gloo"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RequestError(f"init_weights_update_group: bad or missing field {exc}") from None
-        if backend != "gloo":
-            return {
-                "success": False,
-                "message": f"mileage serve runs on the CPU: gloo, not {backend}",
-            }
-        try:
-            group = join_group(address, port, rank, world_size, backend, name, 600.0)
-        except (RuntimeError, OSError, ValueError) as exc:  # ValueError: a name already taken
-            return {"success": False, "message": f"joining {name} failed: {exc}"}
-        # a new trainer (a rerun after a kill) replaces the old one's group: one trainer at a time
-        with self.lock:
-            self.groups = {name: group}
-            self.pending.clear()  # buckets of an update the old trainer never finished
-        return {"success": True, "message": f"joined {name} as rank {rank} of {world_size}"}
-
-    def update_weights_from_distributed(self, body: dict) -> dict:
-        import torch.distributed as dist
-
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        group = self.groups.get(body.get("group_name"))
-        if group is None:
-            raise RequestError(f"no weight-update group {body.get('group_name')!r}")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise RequestError("names, dtypes and shapes must be lists")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise RequestError("names, dtypes and shapes must have one entry per tensor")
-        with self.lock:
-            self.lora.drop_all()  # full weights: the plain model's names, no adapter on top
-            received = {}
-            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                dist.broadcast(tensor, src=0, group=group)  # every tensor, even a bad one
-                received[name] = tensor
-            params = self.engine.model.state_dict()
-            problems = [f"{name}: unknown" for name in received if name not in params]
-            problems += [
-                f"{name}: shape {list(value.shape)}, the model's is {list(params[name].shape)}"
-                for name, value in received.items()
-                if name in params and params[name].shape != value.shape
-            ]
-            # an update may come in several calls (buckets), as SGLang allows: each call loads
-            # its tensors; the one with a weight_version ends the update, and must complete it
-            done = body.get("weight_version") is not None
-            if done:
-                arrived = self.pending | set(received)
-                missing = sorted(set(model_tensors(self.engine.model)) - arrived)
-                problems += [f"{name}: not sent" for name in missing]
-            if problems:
-                self.pending.clear()  # the update failed: the next starts from scratch
-                return {"success": False, "message": "; ".join(problems[:3])}
-            with torch.no_grad():
-                for name, value in received.items():
-                    params[name].copy_(value)  # casts to the model's dtype, as SGLang loads
-            self.pending |= set(received)
-            if done:
-                self.pending.clear()
-                self.weight_version = str(body["weight_version"])
-        return {"success": True, "message": f"loaded {len(received)} tensors"}
 
     def generate(self, body: dict) -> dict | list:
         input_ids = body.get("input_ids")
@@ -341,8 +267,8 @@ def make_handler(server: EngineServer):
             routes = {
                 "/generate": server.generate,
                 "/update_weights_from_disk": server.update_weights,
-                "/init_weights_update_group": server.init_weights_update_group,
-                "/update_weights_from_distributed": server.update_weights_from_distributed,
+                "/init_weights_update_group": server.broadcast.init_group,
+                "/update_weights_from_distributed": server.broadcast.update,
                 "/update_weight_version": server.update_weight_version,
                 "/load_lora_adapter": server.lora.load_from_disk,
                 "/load_lora_adapter_from_tensors": server.lora.load_from_tensors,

@@ -396,7 +396,7 @@ MUTANTS = [
     Mutant(
         "broadcast-weights-not-loaded",
         "mileage serve receives broadcast weights but does not load them",
-        "mileage/serve.py",
+        "mileage/serve_broadcast.py",
         "                    params[name].copy_(value)  # casts to the model's dtype, as SGLang loads\n",
         "                    pass\n",
         (f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk",),
@@ -931,7 +931,7 @@ MUTANTS = [
     Mutant(
         "serve-refuses-partial-buckets",
         "mileage serve refuses a bucket that is not the whole model",
-        "mileage/serve.py",
+        "mileage/serve_broadcast.py",
         "            if done:\n                arrived = self.pending | set(received)",
         "            if True:\n                arrived = self.pending | set(received)",
         (
