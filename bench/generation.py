@@ -118,7 +118,7 @@ class VLLMServer:
         from pathlib import Path
 
         from mileage.rollout.engines.config import EngineConfig
-        from mileage.rollout.engines.vllm import launch_vllm
+        from mileage.rollout.engines.vllm_server import launch_vllm
 
         cfg = EngineConfig(
             rollout_engine="vllm",
@@ -131,7 +131,7 @@ class VLLMServer:
         from concurrent.futures import ThreadPoolExecutor
 
         from mileage.rollout.engines.http import post_json
-        from mileage.rollout.engines.vllm import SERVED_NAME
+        from mileage.rollout.engines.vllm_server import SERVED_NAME
 
         def one(row: int) -> int:
             payload = {

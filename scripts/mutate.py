@@ -968,7 +968,7 @@ MUTANTS = [
     Mutant(
         "cpu-flags-on-gpu",
         "the CPU launch flags are given on a GPU too",
-        "mileage/rollout/engines/vllm.py",
+        "mileage/rollout/engines/vllm_server.py",
         "*(CPU_LAUNCH_DEFAULTS if on_cpu else ())",
         "*CPU_LAUNCH_DEFAULTS",
         (VLLM_CLIENT,),

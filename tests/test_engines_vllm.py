@@ -21,7 +21,8 @@ from mileage.metrics import read_metrics
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.engines.http import BadReply
-from mileage.rollout.engines.vllm import VLLMEngine, launch_args
+from mileage.rollout.engines.vllm import VLLMEngine
+from mileage.rollout.engines.vllm_server import launch_args
 from mileage.testing.compare import compare_runs
 from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
 from mileage.testing.kills import Kill

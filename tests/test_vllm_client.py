@@ -13,7 +13,8 @@ import pytest
 
 from mileage.errors import UserError
 from mileage.rollout.engines.config import EngineConfig
-from mileage.rollout.engines.vllm import VLLMEngine, launch_args, runs_on_cpu
+from mileage.rollout.engines.vllm import VLLMEngine
+from mileage.rollout.engines.vllm_server import launch_args, runs_on_cpu
 
 OK = (200, b'{"success": true}')
 
