@@ -1555,6 +1555,17 @@ MUTANTS = [
         (f"{MULTITURN}::test_turn_synchronous_batches_and_seeds",),
     ),
     Mutant(
+        "fast-decoder-norm-without-eps",
+        "the fast decode path normalises without RMSNorm's epsilon (not bit-identical any more)",
+        "mileage/rollout/fast_decode.py",
+        "x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)",
+        "x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))",
+        (
+            "tests/test_engine.py::"
+            "test_the_fast_decoder_is_bit_identical_to_stepping_the_transformers_model",
+        ),
+    ),
+    Mutant(
         "pool-leaves-a-server-out-silently",
         "a server that missed a weight sync is left out of generation without a word",
         "mileage/rollout/engines/http.py",

@@ -29,6 +29,19 @@ def test_same_generator_seed_same_samples(tiny_hf):
     assert [c.response_ids for c in first] != [c.response_ids for c in other]
 
 
+def test_the_fast_decoder_is_bit_identical_to_stepping_the_transformers_model(tiny_hf, monkeypatch):
+    from mileage.rollout.fast_decode import FastDecoder
+
+    engine, model = engine_for(tiny_hf)
+    assert FastDecoder.supports(model, 64), "the tiny Llama should take the fast path"
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95)
+    fast = engine.generate(PROMPTS * 3, params, torch.Generator().manual_seed(5))
+    monkeypatch.setattr(FastDecoder, "supports", staticmethod(lambda *a: False))
+    slow = engine.generate(PROMPTS * 3, params, torch.Generator().manual_seed(5))
+    assert [c.response_ids for c in fast] == [c.response_ids for c in slow]
+    assert [c.logprobs for c in fast] == [c.logprobs for c in slow]  # exactly, not approximately
+
+
 def test_rows_stop_at_eos_and_respect_the_length_limit(tiny_hf):
     engine, _ = engine_for(tiny_hf)
     out = engine.generate(
