@@ -95,6 +95,10 @@ LORA_SERVED = f"{LORA_SYNC}::test_served_adapter_generates_exactly_as_the_traine
 LORA_SYNC_RUN = f"{LORA_SYNC}::test_a_lora_run_syncs_the_adapter_alone_to_mileage_serve"
 LORA_VLLM = "tests/test_engines_vllm.py::test_a_lora_run_syncs_the_adapter_alone_or_merged_weights"
 LORA_PPO = "tests/test_lora_ppo.py"
+LORA_VLLM_N2 = (
+    "tests/test_engines_vllm.py::"
+    "test_torchrun_n2_lora_syncs_the_gathered_adapter_alone_or_merged_weights[no-runtime-lora]"
+)
 LORA_REMOTE_N2 = (
     "tests/test_lora_remote_fsdp.py::"
     "test_n2_lora_sends_the_adapter_alone_and_the_server_holds_the_trainers_adapter"
@@ -1159,6 +1163,14 @@ MUTANTS = [
         "        full = gather_full(trainable)  # all ranks\n"
         "        self.first = full = getattr(self, 'first', None) or full\n",
         (LORA_REMOTE_N2,),
+    ),
+    Mutant(
+        "lora-n2-merge-unscaled",
+        "under torchrun the merged weights rank 0 computes leave out the adapter's alpha / rank",
+        "mileage/distributed/lora_remote.py",
+        "            delta = (delta * layer.scaling[ADAPTER]).to(weight.dtype)\n",
+        "            delta = delta.to(weight.dtype)\n",
+        (LORA_VLLM_N2,),
     ),
     Mutant(
         "lora-adapter-synced-once",
