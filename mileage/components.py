@@ -37,6 +37,7 @@ from mileage.checkpoint.tensors import (
 from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
 from mileage.distributed.checkpoint import ShardedCheckpointWriter, rng_of_this_rank
+from mileage.distributed.lora_remote import ShardedLoraSync
 from mileage.distributed.parallelize import shard_from_rank0, shard_run_models
 from mileage.distributed.remote import RemoteEngineOnRank0
 from mileage.distributed.rollout import ShardedGenerationEngine
@@ -239,8 +240,9 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     engine = None
     if not cfg.rollout.load_debug_rollout_data:
         engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
-        if lora is not None and not engine.in_process:
-            # the adapter alone where the engine takes adapters, else merged weights
+        if lora is not None and not engine.in_process and not env.is_distributed():
+            # the adapter alone where the engine takes adapters, else merged weights (under
+            # torchrun: distributed/lora_remote.py, once the policy is sharded)
             engine = (
                 AdapterSyncEngine(engine, lora, config_dir, cfg.lora.lora_sync_from_tensor, log)
                 if takes_adapters(engine)
@@ -265,7 +267,11 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         reference = reference if lora else sharded_reference
         if value_model is not None:  # sharded like the actor; saved as shards in critic/
             shard_from_rank0(value_model, cfg.parallel)
-        if engine is not None and not local:  # rank 0 drives the servers, no copy is kept
+        if engine is not None and not local and lora is not None:
+            # rank 0 gathers the adapter (the base once) from the shards and sends it
+            from_tensor = cfg.lora.lora_sync_from_tensor
+            engine = ShardedLoraSync(engine, lora, from_tensor, log, takes_adapters(engine))
+        elif engine is not None and not local:  # rank 0 drives the servers, no copy is kept
             engine = RemoteEngineOnRank0(engine)
         elif engine is not None:
             engine.model = generation_copy

@@ -260,10 +260,15 @@ class RunConfig:
             )
         self.mismatch.validate()
         self.lora.validate()
-        if self.lora.enabled and env.world_size() > 1 and self.engine.remote:
+        if (
+            self.lora.enabled
+            and env.world_size() > 1
+            and self.engine.remote
+            and self.engine.rollout_weight_sync == "broadcast"
+        ):
             raise UserError(
-                "--lora-rank under torchrun generates with the in-process engine only for now "
-                "(--rollout-engine local); remote engines take a LoRA run in one process"
+                "--lora-rank under torchrun syncs the remote engines through the disk (the base "
+                "once, then the adapter); drop --rollout-weight-sync broadcast"
             )
         if self.lora.lora_sync_from_tensor and self.engine.rollout_engine != "sglang":
             raise UserError(

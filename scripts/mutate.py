@@ -95,6 +95,14 @@ LORA_SERVED = f"{LORA_SYNC}::test_served_adapter_generates_exactly_as_the_traine
 LORA_SYNC_RUN = f"{LORA_SYNC}::test_a_lora_run_syncs_the_adapter_alone_to_mileage_serve"
 LORA_VLLM = "tests/test_engines_vllm.py::test_a_lora_run_syncs_the_adapter_alone_or_merged_weights"
 LORA_PPO = "tests/test_lora_ppo.py"
+LORA_VLLM_N2 = (
+    "tests/test_engines_vllm.py::"
+    "test_torchrun_n2_lora_syncs_the_gathered_adapter_alone_or_merged_weights[no-runtime-lora]"
+)
+LORA_REMOTE_N2 = (
+    "tests/test_lora_remote_fsdp.py::"
+    "test_n2_lora_sends_the_adapter_alone_and_the_server_holds_the_trainers_adapter"
+)
 DYNAMIC = "tests/test_dynamic_sampling.py"
 CORRECTIONS = "tests/test_corrections.py"
 DYNAMIC_ROUNDS = f"{DYNAMIC}::test_rounds_fill_the_batch_in_submission_order_and_buffer_the_rest"
@@ -1146,6 +1154,23 @@ MUTANTS = [
         "        self.engine.update_weights(self.view.refresh(), version)\n",
         "        self.engine.update_weights(self.view.model, version)\n",
         (LORA_SERVE,),
+    ),
+    Mutant(
+        "lora-n2-adapter-stale",
+        "under torchrun the servers are sent the adapter gathered at the first sync, every sync",
+        "mileage/distributed/lora_remote.py",
+        "        full = gather_full(trainable)  # all ranks\n",
+        "        full = gather_full(trainable)  # all ranks\n"
+        "        self.first = full = getattr(self, 'first', None) or full\n",
+        (LORA_REMOTE_N2,),
+    ),
+    Mutant(
+        "lora-n2-merge-unscaled",
+        "under torchrun the merged weights rank 0 computes leave out the adapter's alpha / rank",
+        "mileage/distributed/lora_remote.py",
+        "            delta = (delta * layer.scaling[ADAPTER]).to(weight.dtype)\n",
+        "            delta = delta.to(weight.dtype)\n",
+        (LORA_VLLM_N2,),
     ),
     Mutant(
         "lora-adapter-synced-once",

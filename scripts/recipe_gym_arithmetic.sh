@@ -5,13 +5,23 @@
 #
 #   scripts/recipe_gym_arithmetic.sh [OUT_DIR]        (default runs/recipe)
 #   THREADS=2 ROLLOUTS=20 LR=1e-5 TEMP=1.0 LEN=16 scripts/recipe_gym_arithmetic.sh   (the defaults)
+#   LORA=16 scripts/recipe_gym_arithmetic.sh runs/recipe-lora   (a rank-16 adapter on every linear
+#                                  layer, alpha 2 x rank; LR then defaults to 1e-4, see docs/recipe.md)
 #
 # Rerunning the same command after a kill resumes exactly; on a finished run it only reports.
 set -euo pipefail
 OUT=${1:-runs/recipe}
 THREADS=${THREADS:-2}
 ROLLOUTS=${ROLLOUTS:-20}
-LR=${LR:-1e-5}
+LORA=${LORA:-0}
+if [ "$LORA" -gt 0 ]; then
+  # an adapter's update is low-rank and starts at zero: it takes a larger step than full weights
+  LR=${LR:-1e-4}
+  ADAPTER=(--lora-rank "$LORA" --lora-alpha "$((2 * LORA))" --target-modules all-linear)
+else
+  LR=${LR:-1e-5}
+  ADAPTER=()
+fi
 TEMP=${TEMP:-1.0}
 LEN=${LEN:-16}
 PY=${PY:-python}
@@ -25,7 +35,7 @@ start=$(date +%s)
 $PY -m mileage train --hf-checkpoint "$HF" --prompt-data "$TASK" --apply-chat-template \
   --num-rollout "$ROLLOUTS" --rollout-batch-size 8 --n-samples-per-prompt 8 \
   --rollout-max-response-len "$LEN" --rollout-temperature "$TEMP" --lr "$LR" \
-  --eval-interval 10 --num-threads "$THREADS" \
+  --eval-interval 10 --num-threads "$THREADS" "${ADAPTER[@]}" \
   --save "$OUT" --load "$OUT" --save-interval 10 --save-keep-last 1 2>&1 | tee -a "$OUT.log"
 end=$(date +%s)
 echo "wall time of this invocation: $((end - start)) s"

@@ -5,16 +5,19 @@ difference with a bootstrap 95 % interval, and how many items improved or got wo
     python scripts/recipe_paired_eval.py runs/recipe     (after scripts/recipe_gym_arithmetic.sh)
 
 The flags must be the recipe's (LEN/LR/TEMP as the script's defaults); the data, the held-out
-items and the reward are then the ones the run used.
+items and the reward are then the ones the run used. A LoRA run (LORA=N) is loaded with the
+adapter flags its checkpoint records; THREADS sets --num-threads (default 2).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 
-from mileage.checkpoint.layout import read_tracker
+from mileage.checkpoint.layout import checkpoint_path, read_tracker
+from mileage.checkpoint.meta import recorded_lora
 from mileage.cli.main import build_parser
 from mileage.cli.model_commands import default_smollm2_dir
 from mileage.components import build_run, restore
@@ -51,16 +54,22 @@ def item_scores(flags: list[str]) -> list[float]:
 def main(run_dir: str) -> None:
     flags = ["--hf-checkpoint", str(default_smollm2_dir()), "--prompt-data", TASK,
              "--apply-chat-template", "--rollout-max-response-len", str(MAX_LEN),
-             "--eval-interval", "10", "--num-threads", "2"]  # fmt: skip
+             "--eval-interval", "10", "--num-threads", os.environ.get("THREADS", "2")]  # fmt: skip
     last = read_tracker(run_dir).iteration
+    lora = recorded_lora(str(checkpoint_path(run_dir, last)))
+    adapter = []
+    if lora is not None:  # the adapter's own flags, or the resume refuses the checkpoint
+        adapter = ["--lora-rank", str(lora["lora_rank"]), "--lora-alpha", str(lora["lora_alpha"]),
+                   "--lora-dropout", str(lora["lora_dropout"]),
+                   "--target-modules", ",".join(lora["target_modules"])]  # fmt: skip
     before = item_scores([*flags, "--num-rollout", "1"])
-    after = item_scores([*flags, "--load", run_dir, "--num-rollout", str(last + 2)])
+    after = item_scores([*flags, *adapter, "--load", run_dir, "--num-rollout", str(last + 2)])
     n = len(before)
     diff = [a - b for a, b in zip(after, before, strict=True)]
     rng = random.Random(0)
     means = sorted(sum(rng.choice(diff) for _ in range(n)) / n for _ in range(10_000))
     print(json.dumps({
-        "held_out_items": n, "checkpoint": f"iter_{last:07d}",
+        "held_out_items": n, "checkpoint": f"iter_{last:07d}", "lora": lora is not None,
         "score_before": round(sum(before) / n, 4), "score_after": round(sum(after) / n, 4),
         "mean_difference": round(sum(diff) / n, 4),
         "bootstrap_95": [round(means[250], 4), round(means[9749], 4)],

@@ -469,3 +469,40 @@ def test_the_tool_loop_runs_through_vllm_with_token_ids_in_and_out(
     assert all(r["logprob_abs_diff"] < 1e-4 for r in records), [
         r["logprob_abs_diff"] for r in records
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime_lora", [True, False], ids=["adapter", "no-runtime-lora"])
+def test_torchrun_n2_lora_syncs_the_gathered_adapter_alone_or_merged_weights(
+    builtin_model, fake_vllm, tmp_path, runtime_lora
+):
+    """LoRA under torchrun through a vLLM server rank 0 launches: rank 0 gathers the base from
+    the shards once (with an LM head of its own), then each version of the adapter alone; a
+    server without runtime LoRA updating gets the merged weights rank 0 computes from the
+    gathered shards, said once. Either way it samples with the trainer's weights."""
+    pytest.importorskip("peft")
+    env = {**fake_vllm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if not runtime_lora:
+        env["FAKE_VLLM_NO_RUNTIME_LORA"] = "1"
+    save = tmp_path / "n2"
+    args = [*torchrun_vllm_args(tmp_path / "w"), "--precision", "fp32", *LORA]
+    done = run_uninterrupted(args, save, nproc=2, env=env, timeout=300)
+    records = read_metrics(save)
+    assert records[-1]["global_step"] > 0
+    # rollout 1 samples with a trained adapter: a stale, unmerged or wrongly merged sync shows
+    assert all(r["logprob_abs_diff"] < 1e-4 for r in records), records
+    reloads = Path(fake_vllm["FAKE_VLLM_RELOADS"]).read_text().splitlines()
+    full = [line for line in reloads if not line.startswith("/v1/")]
+    if runtime_lora:
+        assert done.stdout.count("each update sends the adapter alone") == 1, done.stdout
+        assert "gathered from the shards" in done.stdout and "merged weights" not in done.stdout
+        assert len(full) == 1  # the base, at the first sync only
+        loads = [line.split()[1] for line in reloads if line.startswith("/v1/load")]
+        assert len(loads) == 3 and len(set(loads)) == 3, reloads
+        base = load_file(str(tmp_path / "w" / "current" / "model.safetensors"))
+        assert not any("lora" in name or "base_layer" in name for name in base)
+        assert torch.equal(base["lm_head.weight"], base["model.embed_tokens.weight"])
+    else:
+        assert done.stdout.count("given merged weights") == 1, done.stdout
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in done.stdout, done.stdout
+        assert len(full) == 4  # the base, then merged weights at every sync (the first again)

@@ -434,16 +434,15 @@ def test_mileage_serve_generates_with_the_merged_adapter(builtin_model, tmp_path
     assert_adapter_learned(save)
 
 
-def test_lora_under_torchrun_with_a_remote_engine_is_one_line(
+def test_lora_under_torchrun_with_broadcast_weight_sync_is_one_line(
     builtin_model, tmp_path, monkeypatch, capsys
 ):
-    """LoRA runs under torchrun (tests/test_lora_fsdp.py) with the in-process engine; a remote
-    engine there is refused before anything starts."""
+    """LoRA under torchrun syncs remote engines through the disk or the request
+    (tests/test_lora_remote_fsdp.py); broadcast sync there is refused before anything starts."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    engine = ["--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9"]
+    engine = ["--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9",
+              "--rollout-weight-sync", "broadcast"]  # fmt: skip
     args = builtin_train_args("--save", str(tmp_path / "run"), *LORA, *engine)
     assert main(["train", *args]) == 2
-    assert "--lora-rank under torchrun generates with the in-process engine only" in (
-        one_error_line(capsys)
-    )
+    assert "drop --rollout-weight-sync broadcast" in one_error_line(capsys)
     assert not (tmp_path / "run").exists()

@@ -36,8 +36,14 @@ from mileage.rollout.engine import Completion, SamplingParams
 def gather_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """Every tensor's full value on rank 0 (on the CPU); None on the other ranks. A collective:
     every rank must call it. Tied tensors appear once, as in checkpoints."""
+    return gather_full(model_tensors(model))
+
+
+def gather_full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The full value of each (possibly sharded) tensor on rank 0, on the CPU, one at a time;
+    None on the other ranks. A collective: every rank calls it with the same names in order."""
     full: dict[str, torch.Tensor] = {}
-    for name, value in model_tensors(model).items():
+    for name, value in tensors.items():
         whole = full_value(value.detach())
         if env.is_main():
             full[name] = whole.to("cpu", copy=True).contiguous()
@@ -90,9 +96,15 @@ class RemoteEngineOnRank0:
             self.weight_version = version
             return
         tensors = gather_full_weights(model)  # all ranks
-        config = model.config
         embedding = model.get_input_embeddings().weight
         head = next(n for n, p in model.named_parameters() if p is embedding)
+        self.load_full_weights(tensors, model.config, head, version)
+
+    def load_full_weights(
+        self, tensors: dict[str, torch.Tensor] | None, config: Any, head: str, version: int
+    ) -> None:
+        """The servers load `tensors` (rank 0's gathered full values, HF names; `head`: the
+        input embedding's name) as `version`. Every rank calls it; rank 0 does the work."""
 
         def load() -> None:
             path = write_hf_weights(config, tensors, self.engine.weights.path)

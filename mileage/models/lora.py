@@ -338,3 +338,22 @@ def save_adapter(peft_model, out: Path, base: dict) -> None:
     peft_model.peft_config[ADAPTER].base_model_name_or_path = base["path"]
     peft_model.save_pretrained(str(out))
     (out / BASE_RECORD).write_text(json.dumps(base, indent=2) + "\n")
+
+
+def save_adapter_tensors(
+    peft_model, tensors: dict[str, torch.Tensor], out: Path, base: dict
+) -> None:
+    """`save_adapter`'s files from `tensors` (PEFT's saved names, full values) rather than the
+    module's own: under torchrun rank 0 writes the adapter it gathered from the shards."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(peft_model.peft_config[ADAPTER])
+    config.base_model_name_or_path = base["path"]
+    config.inference_mode = True  # as PEFT saves it: the adapter loads for inference
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    contiguous = {name: t.detach().contiguous() for name, t in tensors.items()}
+    save_file(contiguous, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / BASE_RECORD).write_text(json.dumps(base, indent=2) + "\n")
