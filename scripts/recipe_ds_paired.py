@@ -116,12 +116,23 @@ class Arm:
         self.proc.send_signal(signal.SIGTERM)
 
 
-def run_arms(out: Path, specs: list[tuple[str, str, list[str], int]], stop_with_first: bool):
+def run_arms(
+    out: Path,
+    specs: list[tuple[str, str, list[str], int]],
+    stop_with_first: bool,
+    stop_after: float | None = None,
+):
     """Start the arms at once; with `stop_with_first`, SIGTERM the others when the first
-    (the plain arm) ends. Waits at most 3 hours."""
+    (the plain arm) ends. After `stop_after` seconds the first arm gets SIGTERM too (its
+    schedule is then cut short, and its wall and CPU seconds are still the budget). Waits at
+    most 3 hours."""
     arms = [Arm(name, core, out, flags, n) for name, core, flags, n in specs]
     deadline = time.monotonic() + 3 * 3600
     while any([arm.poll() for arm in arms]):
+        lead = arms[0]
+        late = stop_after is not None and time.monotonic() - lead.start > stop_after
+        if late and lead.rc is None and lead.stopped_at is None:
+            lead.terminate()
         if time.monotonic() > deadline:
             for arm in arms:
                 if arm.rc is None:
@@ -261,6 +272,11 @@ def main() -> None:
     ap.add_argument("--temperature", default="1.0")
     ap.add_argument("--over-sampling-batch-size", type=int, default=8)
     ap.add_argument("--max-rounds", type=int, default=100)
+    ap.add_argument(
+        "--stop-after-min",
+        type=float,
+        help="SIGTERM the plain arm after this many minutes (a schedule that time cuts short)",
+    )
     ap.add_argument("--eval-only", action="store_true", help="score the arms of OUT/summary.json")
     args = ap.parse_args()
     out = Path(args.out)
@@ -286,8 +302,10 @@ def main() -> None:
         out,
         [("plain", cores[0], base, args.rollouts), ("ds", cores[1], base + ds, ds_rollouts)],
         stop_with_first=True,
+        stop_after=None if args.stop_after_min is None else 60 * args.stop_after_min,
     )
-    budget = {"wall_s": round(plain.wall, 1), "cpu_s": round(plain.cpu, 1)}
+    budget = {"wall_s": round(plain.wall, 1), "cpu_s": round(plain.cpu, 1),
+              "plain_sigterm_at": plain.stopped_at}  # fmt: skip
     within = [c for c in dyn.commits if c["wall_s"] <= plain.wall and c["cpu_s"] <= plain.cpu]
     if not within:
         raise SystemExit("recipe_ds_paired: the ds arm committed nothing within the budget")
