@@ -210,8 +210,12 @@ def summary_rounds(run_dir: Path, chosen: dict) -> float:
     return ds_counts(run_dir, chosen["iteration"]).get("rounds", 0)
 
 
-def score(flags: list[str]) -> list[tuple[float, str]]:
-    """(greedy reward, response) of every held-out item under the weights `flags` load."""
+def score(flags: list[str]) -> list[tuple[float, str, float]]:
+    """(greedy reward, response, log P(exact answer)) of every held-out item under the weights
+    `flags` load. log P is the policy's teacher-forced log-probability of the bare label followed
+    by the end of the turn: how likely sampling is to ever produce the exact answer."""
+    import torch
+
     from mileage.cli.main import build_parser
     from mileage.components import build_run, restore
     from mileage.preflight import preflight
@@ -227,7 +231,18 @@ def score(flags: list[str]) -> list[tuple[float, str]]:
     samples = generate_samples(
         run.engine, run.encode, prompts, params, 1, run.reward_fn, seed=0, rollout_id=0
     )
-    return [(s.reward, s.response) for s in samples]
+    model = run.model.eval()
+    exact_logp = []
+    with torch.no_grad():
+        for prompt in prompts:
+            head = run.encode.prompt_ids(prompt)
+            tail = [*run.tokenizer(prompt.label, add_special_tokens=False)["input_ids"],
+                    run.engine.eos_id]  # fmt: skip
+            ids = torch.tensor([head + tail])
+            logits = model(ids).logits[0, len(head) - 1 : -1].float()
+            picked = logits.log_softmax(-1).gather(1, torch.tensor(tail)[:, None])
+            exact_logp.append(float(picked.sum()))
+    return [(s.reward, s.response, lp) for s, lp in zip(samples, exact_logp, strict=True)]
 
 
 def paired(after: list[float], before: list[float]) -> dict:
@@ -246,15 +261,22 @@ def evaluate_arms(out: Path, base: list[str], ds: list[str], plain_iter: int, ds
         evals[name] = [*base, *extra, "--eval-interval", "10", "--load", str(out / name),
                        "--ckpt-step", str(it), "--num-rollout", str(it + 2)]  # fmt: skip
     scored = {name: score(flags) for name, flags in evals.items()}
-    rewards = {name: [r for r, _ in items] for name, items in scored.items()}
+    rewards = {name: [r for r, _, _ in items] for name, items in scored.items()}
     n = len(rewards["start"])
-    items = [{name: {"reward": scored[name][i][0], "response": scored[name][i][1]}
+    items = [{name: dict(zip(("reward", "response", "exact_logp"), scored[name][i], strict=True))
               for name in scored} for i in range(n)]  # fmt: skip
+    exact_p = {name: [math.exp(lp) for _, _, lp in items] for name, items in scored.items()}
     (out / "items.json").write_text(json.dumps(items, indent=1))
     return {
         "held_out_items": n,
         "score": {k: round(sum(v) / n, 4) for k, v in rewards.items()},
         "exact": {k: sum(r >= 1.0 for r in v) for k, v in rewards.items()},
+        # the mean probability that one sample at temperature 1 is exactly the answer
+        "exact_answer_probability": {k: float(f"{sum(v) / n:.3g}") for k, v in exact_p.items()},
+        "exact_answer_log_probability_median": {
+            k: round(sorted(math.log(p) for p in v)[n // 2], 2) for k, v in exact_p.items()
+        },
+        "greedy_contains_answer": {k: sum(r > 0 for r in v) for k, v in rewards.items()},
         "ds_minus_plain": paired(rewards["ds"], rewards["plain"]),
         "plain_minus_start": paired(rewards["plain"], rewards["start"]),
         "ds_minus_start": paired(rewards["ds"], rewards["start"]),
