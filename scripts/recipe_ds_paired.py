@@ -210,7 +210,7 @@ def summary_rounds(run_dir: Path, chosen: dict) -> float:
     return ds_counts(run_dir, chosen["iteration"]).get("rounds", 0)
 
 
-def score(flags: list[str]) -> list[tuple[float, str, float]]:
+def score(flags: list[str], limit: int | None = None) -> list[tuple[float, str, float]]:
     """(greedy reward, response, log P(exact answer)) of every held-out item under the weights
     `flags` load. log P is the policy's teacher-forced log-probability of the bare label followed
     by the end of the turn: how likely sampling is to ever produce the exact answer."""
@@ -227,7 +227,7 @@ def score(flags: list[str]) -> list[tuple[float, str, float]]:
     run = build_run(cfg, preflight(cfg), lambda *_: None)
     restore(run, lambda *_: None)
     params = SamplingParams(max_new_tokens=MAX_LEN, temperature=0.0)
-    prompts = run.eval_sets[0].prompts
+    prompts = run.eval_sets[0].prompts[:limit]
     samples = generate_samples(
         run.engine, run.encode, prompts, params, 1, run.reward_fn, seed=0, rollout_id=0
     )
