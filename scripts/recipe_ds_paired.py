@@ -151,6 +151,17 @@ def run_arms(
     return arms
 
 
+def judged_commit(commits: list[dict], wall: float, cpu: float) -> tuple[dict, int, int]:
+    """The last commit within both budgets, and the last iterations within each one alone
+    (-1: none); the earlier budget binds."""
+    by_wall = [c["iteration"] for c in commits if c["wall_s"] <= wall]
+    by_cpu = [c["iteration"] for c in commits if c["cpu_s"] <= cpu]
+    within = [c for c in commits if c["wall_s"] <= wall and c["cpu_s"] <= cpu]
+    if not within:
+        raise SystemExit("recipe_ds_paired: the ds arm committed nothing within the budget")
+    return within[-1], (by_wall or [-1])[-1], (by_cpu or [-1])[-1]
+
+
 def step_times(run_dir: Path) -> list[float]:
     return [r["step_time"] for r in records(run_dir)]
 
@@ -328,12 +339,7 @@ def main() -> None:
     )
     budget = {"wall_s": round(plain.wall, 1), "cpu_s": round(plain.cpu, 1),
               "plain_sigterm_at": plain.stopped_at}  # fmt: skip
-    within = [c for c in dyn.commits if c["wall_s"] <= plain.wall and c["cpu_s"] <= plain.cpu]
-    if not within:
-        raise SystemExit("recipe_ds_paired: the ds arm committed nothing within the budget")
-    chosen = within[-1]
-    by_wall = [c for c in dyn.commits if c["wall_s"] <= plain.wall][-1]["iteration"]
-    by_cpu = [c for c in dyn.commits if c["cpu_s"] <= plain.cpu][-1]["iteration"]
+    chosen, by_wall, by_cpu = judged_commit(dyn.commits, plain.wall, plain.cpu)
     summary |= {
         "budget_from_plain_arm": budget,
         "ds_arm": {
