@@ -53,7 +53,10 @@ def recipe_flags(lr: str, temp: str) -> list[str]:
     return ["--hf-checkpoint", str(default_smollm2_dir()), "--prompt-data", TASK,
             "--apply-chat-template", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
             "--rollout-max-response-len", str(MAX_LEN), "--rollout-temperature", temp,
-            "--lr", lr, "--eval-interval", "0", "--num-threads", "1"]  # fmt: skip
+            "--lr", lr, "--eval-interval", "0", "--num-threads", "1",
+            # the same update as one micro-batch (docs/flags.md), with a quarter of the peak
+            # memory: two arms of ~7 GB each drew the OOM killer on a shared 24 GB machine
+            "--micro-batch-size", "16"]  # fmt: skip
 
 
 def arm_flags(arm: str, max_rounds: int, over_sampling: int) -> list[str]:
