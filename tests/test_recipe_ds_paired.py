@@ -47,7 +47,7 @@ def write_samples(path: Path, rewards: list[float]) -> None:
 
 
 def test_group_counts_zero_variance_and_exact(tmp_path: Path) -> None:
-    write_samples(tmp_path / "0.json", [0, 0, 0, 0.5, 1.0, 1.0])  # n=3: equal, differ
+    write_samples(tmp_path / "0.json", [0, 0, 0.5, 0, 0, 0])  # n=3: differ (late), equal
     write_samples(tmp_path / "1.json", [1.0, 1.0, 1.0, 0.2, 0.2, 0.2])  # both equal
     write_samples(tmp_path / "2.json", [0.3, 0, 0, 0, 0, 0])  # not counted: files=2
     counts = script.group_counts(tmp_path, 2, 3)
@@ -55,7 +55,7 @@ def test_group_counts_zero_variance_and_exact(tmp_path: Path) -> None:
         "groups_sampled": 4,
         "groups_zero_variance": 3,
         "samples": 12,
-        "samples_exact": 5,
+        "samples_exact": 3,
     }
 
 
