@@ -1601,6 +1601,22 @@ MUTANTS = [
             "test_a_server_left_out_of_generation_is_named_once_and_when_it_is_back",
         ),
     ),
+    Mutant(
+        "recipe-ds-judged-past-the-cpu-budget",
+        "the dynamic-sampling arm of the paired recipe is judged by wall time alone",
+        "scripts/recipe_ds_paired.py",
+        'within = [c for c in commits if c["wall_s"] <= wall and c["cpu_s"] <= cpu]',
+        'within = [c for c in commits if c["wall_s"] <= wall]',
+        ("tests/test_recipe_ds_paired.py::test_judged_commit_the_cpu_budget_binds",),
+    ),
+    Mutant(
+        "recipe-ds-zero-variance-miscounted",
+        "a group counts as zero-variance when its first two rewards are equal",
+        "scripts/recipe_ds_paired.py",
+        "zero += all(r == group[0] for r in group)",
+        "zero += group[0] == group[1]",
+        ("tests/test_recipe_ds_paired.py::test_group_counts_zero_variance_and_exact",),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
