@@ -23,6 +23,7 @@ from mileage import components, loop  # noqa: E402
 from mileage.checkpoint.writer import CheckpointWriter  # noqa: E402
 from mileage.cli import train as train_cli  # noqa: E402
 from mileage.cli.main import main  # noqa: E402
+from mileage.distributed.checkpoint import ShardedCheckpointWriter  # noqa: E402
 from mileage.training.actor import Actor  # noqa: E402
 
 spans: dict[str, list[float]] = {"save_s": [], "restore_s": []}
@@ -61,6 +62,8 @@ def phase(function, name: str):
 
 
 CheckpointWriter.save = phase(timed(CheckpointWriter.save, "save_s"), "save")
+# under torchrun (its own save, not calling the one above)
+ShardedCheckpointWriter.save = phase(timed(ShardedCheckpointWriter.save, "save_s"), "save")
 loop.restore = timed(loop.restore, "restore_s")
 components.shard_run_models = phase(components.shard_run_models, "load+shard")
 components._load_on_rank0 = phase(components._load_on_rank0, "load")

@@ -83,7 +83,13 @@ def peak_phase(rank: dict) -> str:
 
 
 def measure(
-    model: str, hf_dir: str | None, nproc: int, rollouts: int, work: Path, url=None
+    model: str,
+    hf_dir: str | None,
+    nproc: int,
+    rollouts: int,
+    work: Path,
+    url: str | None = None,
+    skip_resume: bool = False,
 ) -> dict:
     save = work / f"{model}_n{nproc}"
     shutil.rmtree(save, ignore_errors=True)
@@ -94,7 +100,9 @@ def measure(
     ranks = launch(model, hf_dir, nproc, rollouts, save, train_probe, url)
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     timed = records[1:]  # the first rollout warms up allocators and caches
-    resumed = launch(model, hf_dir, nproc, rollouts + 1, save, resume_probe, url)
+    resumed = (
+        [] if skip_resume else launch(model, hf_dir, nproc, rollouts + 1, save, resume_probe, url)
+    )
     return {
         "model": model,
         "nproc": nproc,
@@ -106,7 +114,7 @@ def measure(
         "peak_in": [peak_phase(r) for r in ranks],
         "phases": [r.get("phases", []) for r in ranks],
         "save_s": median([s for r in ranks[:1] for s in r["save_s"][1:]]),
-        "load_s": max(r["restore_s"][0] for r in resumed),
+        "load_s": max((r["restore_s"][0] for r in resumed), default=None),
         "ckpt_mb": round(
             sum(p.stat().st_size for p in (save / "iter_0000000").rglob("*") if p.is_file()) / 1e6,
             1,
@@ -145,6 +153,10 @@ def main() -> None:
         default="local",
         help="local: the in-process engine; remote: one `mileage serve` server generates",
     )
+    parser.add_argument("--nprocs", default="1,2", help="world sizes to measure, in order")
+    parser.add_argument(
+        "--skip-resume", action="store_true", help="no resume launch (no resume load time)"
+    )
     args = parser.parse_args()
     out = output_path("distributed" if args.engine == "local" else "distributed_remote")
     wanted = args.models.split(",")
@@ -156,8 +168,10 @@ def main() -> None:
         for model, hf_dir in models:
             with serving(model, hf_dir, args.engine == "remote") as url:
                 for _ in range(args.repeats):
-                    for nproc in (1, 2):
-                        row = measure(model, hf_dir, nproc, args.rollouts, Path(tmp), url)
+                    for nproc in map(int, args.nprocs.split(",")):
+                        row = measure(
+                            model, hf_dir, nproc, args.rollouts, Path(tmp), url, args.skip_resume
+                        )
                         print(json.dumps({k: v for k, v in row.items() if k != "phases"}))
                         sys.stdout.flush()
                         rows.append(row)
