@@ -157,8 +157,13 @@ def main() -> None:
     parser.add_argument(
         "--skip-resume", action="store_true", help="no resume launch (no resume load time)"
     )
+    parser.add_argument(
+        "--out", help="results JSON (default bench/results/distributed[_remote].json)"
+    )
     args = parser.parse_args()
-    out = output_path("distributed" if args.engine == "local" else "distributed_remote")
+    out = output_path(
+        args.out or ("distributed" if args.engine == "local" else "distributed_remote")
+    )
     wanted = args.models.split(",")
     models = [("tiny", None)] if "tiny" in wanted else []
     models += [("smollm2", args.smollm2_dir)] if args.smollm2_dir and "smollm2" in wanted else []
