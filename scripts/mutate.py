@@ -511,6 +511,24 @@ MUTANTS = [
         (DIST_MEMORY_N2,),
     ),
     Mutant(
+        "dist-mmap-threshold-not-kept",
+        "torchrun ranks leave glibc's mmap threshold to rise: freed tensors stay resident",
+        "mileage/distributed/env.py",
+        "    keep_mmap_threshold()\n",
+        "",
+        (DIST_MEMORY_N2,),
+    ),
+    Mutant(
+        "mmap-threshold-never-set",
+        "keep_mmap_threshold reports success without calling mallopt",
+        "mileage/distributed/memory.py",
+        "    return mallopt(M_MMAP_THRESHOLD, threshold) == 1\n",
+        "    return True\n",
+        (
+            f"{DIST_MEMORY}::test_freed_large_tensors_leave_the_resident_set_only_with_the_threshold_kept",
+        ),
+    ),
+    Mutant(
         "dist-generation-not-resharded",
         "the parameters gathered for generation are never freed: every rank keeps them whole",
         "mileage/distributed/parallelize.py",
