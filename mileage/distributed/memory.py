@@ -25,9 +25,9 @@ import functools
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 # above glibc's starting 128 KiB: every mapped block is zero-filled page by page when touched,
-# and at 128 KiB a SmolLM2 forward and backward ran ~30% slower on the shared VM (1 MiB: within
-# the noise of glibc's default), while the blocks that fragment (a layer's gathered weights
-# and gradients, the MLP's activations) are above 1 MiB
+# and at 128 KiB a SmolLM2 forward and backward took 1.5x as long as with glibc's default on the
+# shared VM (1 MiB: about as long), while most blocks that fragment (a layer's gathered
+# weights and gradients, the MLP's activations) are above 1 MiB
 MMAP_THRESHOLD = 1 << 20
 
 
