@@ -161,9 +161,6 @@ class Actor:
             fault_point("optimizer_step")
             grad_norms.append(float(norm))
             lrs.append(lr)
-        # no gradient memory between rollouts: generation (under torchrun, with the gathered
-        # full parameters) then runs without it; the next step starts from None anyway
-        self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         totals = env.sum_over_ranks(totals)
         result = {key: value / len(grad_norms) for key, value in totals.items()}

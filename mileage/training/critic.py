@@ -184,7 +184,6 @@ class Critic:
             self.optimizer.step()
             self.step += 1
             steps += 1
-        self.optimizer.zero_grad(set_to_none=True)  # as the actor: none kept between rollouts
         self.model.eval()
         self.rollouts += 1
         totals = env.sum_over_ranks({"value_loss": loss_total, "value_clipfrac": clip_total})
