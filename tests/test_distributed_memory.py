@@ -2,7 +2,8 @@
 
 The in-process engine decodes with the sharded policy itself, gathered whole for each generate
 call and freed after it. One 2-rank launch of `mileage train` on the built-in model runs a
-probe (`PROBE`) after each rollout's weight update, i.e. between two rollouts, on each rank:
+probe (`PROBE`) after each rollout's weight update, i.e. between two rollouts, on each rank
+(and the first check also right after each generation):
 
 - rank memory accounting: no tensor alive in the process (found through the garbage
   collector) other than the shards has a full parameter's shape and storage behind it, so
@@ -120,9 +121,20 @@ def probed(run):
 
 
 loop.sync_engine = probed
+generated = []
+draw_rollout = loop.draw_rollout
+
+
+def probed_draw(run, rollout_id):
+    drawn = draw_rollout(run, rollout_id)
+    generated.append(full_size_tensors(run.model)[0])  # the gathered values freed at once
+    return drawn
+
+
+loop.draw_rollout = probed_draw
 code = main(["train", *sys.argv[3:]])
 with open(f"{out}.{env.rank()}", "w") as f:
-    json.dump({"code": code, "reports": reports}, f)
+    json.dump({"code": code, "reports": reports, "after_generate": generated}, f)
 """
 )
 
@@ -161,6 +173,7 @@ def test_n2_keeps_no_full_policy_between_rollouts_and_samples_as_a_copy(builtin_
             assert report["decodes_with_policy"]
             assert report["same_as_plain_copy"] == [True, True]
             assert report["freed_blocks_retained_mib"] < 16
+        assert result["after_generate"] == [[], []]  # each rollout's, right after generating
 
 
 def test_a_plain_generation_copy_is_refreshed_and_the_policy_is_not_copied(builtin_model):
