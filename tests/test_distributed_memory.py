@@ -72,12 +72,17 @@ path, out = sys.argv[1], sys.argv[2]
 reports = []
 
 
+FULL = {}  # full shape -> name of the policy's sharded matrices (taken while it is sharded)
+
+
 def full_size_tensors(model):
     \"\"\"Names of the policy's matrices whose full shape some live, non-empty tensor has.\"\"\"
-    params = dict(model.named_parameters())
-    sharded = {n: p for n, p in params.items() if isinstance(p, DTensor) and p.dim() == 2}
-    shard_shapes = {tuple(p.to_local().shape) for p in params.values() if isinstance(p, DTensor)}
-    full = {tuple(p.shape): n for n, p in sharded.items() if tuple(p.shape) not in shard_shapes}
+    if not FULL:
+        params = dict(model.named_parameters())
+        sharded = {n: p for n, p in params.items() if isinstance(p, DTensor) and p.dim() == 2}
+        shards = {tuple(p.to_local().shape) for p in params.values() if isinstance(p, DTensor)}
+        FULL.update({tuple(p.shape): n for n, p in sharded.items() if tuple(p.shape) not in shards})
+    full = FULL
     gc.collect()
     found = set()
     for obj in gc.get_objects():
