@@ -258,11 +258,13 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
                 model, plan.critic_from, config_dir, cfg.loop.seed, start_from=start
             )
         )
-    if env.is_distributed():  # FSDP2; the engine decodes with a full copy (see distributed/)
+    if env.is_distributed():  # FSDP2; the in-process engine decodes with the gathered shards
         local = engine is not None and engine.in_process
+        # a plain copy only under bf16 mixed precision (distributed/rollout.py says why)
+        keep_copy = local and cfg.parallel.fsdp_mixed_precision != "none"
         # a LoRA reference is the sharded policy itself, run with its adapter off
         model, sharded_reference, generation_copy = shard_run_models(
-            model, None if lora else reference, cfg.parallel, generation_copy=local
+            model, None if lora else reference, cfg.parallel, generation_copy=keep_copy
         )
         reference = reference if lora else sharded_reference
         if value_model is not None:  # sharded like the actor; saved as shards in critic/
@@ -274,7 +276,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         elif engine is not None and not local:  # rank 0 drives the servers, no copy is kept
             engine = RemoteEngineOnRank0(engine)
         elif engine is not None:
-            engine.model = generation_copy
+            engine.model = model if generation_copy is None else generation_copy
             engine = ShardedGenerationEngine(
                 engine,
                 cfg.rollout.n_samples_per_prompt,

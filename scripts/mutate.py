@@ -50,6 +50,10 @@ DIST_PPO_N1 = (
     "test_n2_ppo_checkpoint_resumes_at_n1_and_trains_like_n2_on_the_same_samples"
 )
 DIST_ASYNC = "tests/test_distributed_async_save.py"
+DIST_MEMORY = "tests/test_distributed_memory.py"
+DIST_MEMORY_N2 = (
+    f"{DIST_MEMORY}::test_n2_keeps_no_full_policy_between_rollouts_and_samples_as_a_copy"
+)
 PPO_PLAN = "tests/test_ppo_plan.py"
 PPO_CRASH = "tests/test_ppo_crash.py"
 BUILTIN = "tests/test_builtin_model.py"
@@ -499,11 +503,46 @@ MUTANTS = [
     ),
     Mutant(
         "dist-generation-weights-stale",
-        "the ranks' full-weight copy for generation is never refreshed after an update",
+        "the plain full-weight copy kept for generation (bf16 mixed precision) is never "
+        "refreshed after an update",
         "mileage/distributed/rollout.py",
-        "        copy_full_weights(model, self.engine.model)\n",
+        "            copy_full_weights(model, self.engine.model)\n",
+        "            pass\n",
+        (f"{DIST_MEMORY}::test_a_plain_generation_copy_is_refreshed_and_the_policy_is_not_copied",),
+    ),
+    Mutant(
+        "dist-generation-copy-kept",
+        "at N=2 every rank keeps a full copy of the policy for the in-process engine again",
+        "mileage/components.py",
+        '        keep_copy = local and cfg.parallel.fsdp_mixed_precision != "none"\n',
+        "        keep_copy = local\n",
+        (DIST_MEMORY_N2,),
+    ),
+    Mutant(
+        "dist-mmap-threshold-not-kept",
+        "torchrun ranks leave glibc's mmap threshold to rise: freed tensors stay resident",
+        "mileage/distributed/env.py",
+        "    keep_mmap_threshold()\n",
         "",
-        (DIST_CHAIN,),
+        (DIST_MEMORY_N2,),
+    ),
+    Mutant(
+        "mmap-threshold-never-set",
+        "keep_mmap_threshold reports success without calling mallopt",
+        "mileage/distributed/memory.py",
+        "    return mallopt(M_MMAP_THRESHOLD, threshold) == 1\n",
+        "    return True\n",
+        (
+            f"{DIST_MEMORY}::test_freed_large_tensors_leave_the_resident_set_only_with_the_threshold_kept",
+        ),
+    ),
+    Mutant(
+        "dist-generation-not-resharded",
+        "the parameters gathered for generation are never freed: every rank keeps them whole",
+        "mileage/distributed/parallelize.py",
+        "            module.reshard()  # frees the gathered values; local, no collective\n",
+        "",
+        (DIST_MEMORY_N2,),
     ),
     Mutant(
         "dist-optimizer-loaded-unsharded",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mileage.distributed.memory import keep_mmap_threshold
 from mileage.errors import UserError
 from mileage.parent_death import die_with_parent
 
@@ -107,6 +108,8 @@ def session() -> Iterator[None]:
     # torchrun starts each worker in a session of its own: without this, a SIGKILLed torchrun
     # leaves its workers running, holding the lock, until their next collective times out
     die_with_parent(signal.SIGKILL)
+    # large tensors mapped and unmapped, not kept in glibc's heaps once freed (memory.py says why)
+    keep_mmap_threshold()
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -9,6 +9,8 @@ single-process gradient.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +150,38 @@ def copy_full_weights(sharded: torch.nn.Module, plain: torch.nn.Module) -> None:
         targets[name].copy_(full_value(value.detach()))
 
 
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules `fully_shard` was applied to, root first (the same order on every rank)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model` with every parameter gathered whole, for decoding; resharded on exit.
+
+    A collective on entry (one all-gather per sharded module, in module order on every rank),
+    none inside: the engine decodes with the full parameters without communicating per token,
+    and the full values exist only while it decodes (the rest of the time each rank holds its
+    shards alone). Reshard-after-forward is off inside, so the prefill's forward hooks do not
+    free a layer the decode steps (which read the parameters directly) still need. A model
+    that is not sharded is yielded as it is.
+    """
+    modules = fsdp_modules(model)
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module.reshard()  # frees the gathered values; local, no collective
+            # as `shard_model` left it: decoder layers free their parameters after forward, the
+            # root keeps them (backward needs them at once), as fully_shard's default does
+            module.set_reshard_after_forward(module is not model, recurse=False)
+
+
 def shard_run_models(
     model: torch.nn.Module,
     reference: torch.nn.Module | None,
@@ -155,10 +189,13 @@ def shard_run_models(
     generation_copy: bool = True,
 ) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module | None]:
     """(sharded policy, sharded reference, plain full copy of the policy for generation, or
-    None when `generation_copy` is False: a remote engine generates, nothing here decodes).
+    None when `generation_copy` is False).
 
-    The copy is taken before sharding, so it starts with exactly the loaded weights; after
-    each update `copy_full_weights` refreshes it.
+    Only `--fsdp-mixed-precision bf16` asks for the copy (see `distributed.rollout`): the
+    in-process engine otherwise decodes with the sharded policy itself, `unsharded` for the
+    length of a rollout, and a remote engine needs nothing here. The copy is taken before
+    sharding, so it starts with exactly the loaded weights; after each update
+    `copy_full_weights` refreshes it.
     """
     import copy
 

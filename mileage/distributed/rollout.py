@@ -1,10 +1,18 @@
 """Generation at world size N: each rank samples its share of the prompts, then all ranks
 gather every completion, so advantages (computed on every rank) see whole groups.
 
-The engine decodes with a plain, unsharded copy of the policy: `update_weights` all-gathers each
-sharded tensor into it once per rollout (`copy_full_weights`), so decoding needs no
-communication per token. The copy holds fp32 weights; under `--fsdp-mixed-precision bf16` the
-loss computes in bf16, so the engine is then not `in_process`: the trainer recomputes the old
+The engine decodes with the sharded policy itself: for each `generate` call every rank gathers
+the full parameters once (`parallelize.unsharded`, one all-gather per sharded module), decodes
+its share without communicating per token, and frees them again. Between rollouts a rank holds
+only its shards, and the full values are exactly what `DTensor.full_tensor()` gives, so the
+samples are those a plain full copy of the policy drew (which an earlier version kept on every
+rank for the whole run).
+
+Under `--fsdp-mixed-precision bf16` FSDP's gathered parameters are bf16, so the engine keeps a
+plain fp32 copy there (refreshed by `update_weights` with one all-gather per tensor per
+rollout): generating from the bf16 parameters would change the samples of such runs, and FSDP
+bf16 cannot run on the CPU to check what it changes. The loss then computes in bf16 while the
+copy decodes in fp32, so the engine is not `in_process`: the trainer recomputes the old
 log-probs with the sharded bf16 model (`mismatch.apply_mismatch`) and logs the difference.
 
 Sampled rollouts are split by group (the `n_samples_per_prompt` answers to one prompt). Each
@@ -20,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from mileage.distributed import env
-from mileage.distributed.parallelize import copy_full_weights
+from mileage.distributed.parallelize import copy_full_weights, unsharded
 from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
 
 
@@ -28,7 +36,9 @@ class ShardedGenerationEngine:
     """The `Engine` interface over all ranks of the process group, around a `LocalEngine`."""
 
     def __init__(self, engine: LocalEngine, group_size: int, loss_precision_matches: bool = True):
-        self.engine = engine  # holds the plain full-weight copy
+        # decodes with engine.model: the sharded policy (gathered per call) or, under bf16
+        # mixed precision, a plain fp32 copy of it
+        self.engine = engine
         self.group_size = group_size
         # True: the copy computes in the loss's precision, so its log-probs are the old policy's.
         # With --fsdp-mixed-precision bf16 the loss runs in bf16 while the copy decodes in fp32:
@@ -41,7 +51,8 @@ class ShardedGenerationEngine:
         return self.engine.weight_version
 
     def update_weights(self, model: torch.nn.Module, version: int = 0) -> None:
-        copy_full_weights(model, self.engine.model)
+        if self.engine.model is not model:  # the plain copy: refresh it from the shards
+            copy_full_weights(model, self.engine.model)
         self.engine.weight_version = version
 
     def close(self) -> None:
@@ -56,14 +67,19 @@ class ShardedGenerationEngine:
     ) -> list[Completion]:
         """`seed` as for `LocalEngine.generate` (a `SamplingSeed`, a generator or None)."""
         generator = seed.generator() if hasattr(seed, "generator") else seed
+        with unsharded(self.engine.model):
+            local = self._generate_share(prompts, params, generator)
+        return [c for part in env.all_gather_object(local) for c in part]
+
+    def _generate_share(
+        self, prompts: list[list[int]], params: SamplingParams, generator
+    ) -> list[Completion]:
         if params.greedy or generator is None or isinstance(generator, list):
             # a generator per row (RowSeeds) makes a row's sample independent of the rank
             mine = env.share(len(prompts))
             part = [generator[i] for i in mine] if isinstance(generator, list) else generator
-            local = self.engine.generate([prompts[i] for i in mine], params, part)
-        else:
-            local = self._sample_groups(prompts, params, generator)
-        return [c for part in env.all_gather_object(local) for c in part]
+            return self.engine.generate([prompts[i] for i in mine], params, part)
+        return self._sample_groups(prompts, params, generator)
 
     def _sample_groups(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
