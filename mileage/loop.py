@@ -173,15 +173,6 @@ def partial_rollout(run: Run, rollout_id: int):
     )
 
 
-def drop_gradients(run: Run) -> None:
-    """Free the actor's and the critic's gradients after a rollout's optimizer steps: the next
-    step starts from None anyway, and generation (under torchrun with the gathered full
-    parameters) then runs without them."""
-    run.actor.optimizer.zero_grad(set_to_none=True)
-    if run.actor.critic is not None:
-        run.actor.critic.optimizer.zero_grad(set_to_none=True)
-
-
 def sync_engine(run: Run) -> None:
     """Hand the trainer's weights to the engine; their version is the optimizer step."""
     if run.engine is not None:
@@ -241,7 +232,7 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
                     )
             mismatch = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
             stats = {**run.actor.train_rollout(batch), **mismatch, **sampling}
-            drop_gradients(run)
+            run.actor.release_gradients()
             trained = time.perf_counter()
             sync_engine(run)
             synced = time.perf_counter()

@@ -121,6 +121,14 @@ class Actor:
             normalize=algo.normalize_advantages,
         )
 
+    def release_gradients(self) -> None:
+        """Free the actor's and the critic's gradients once a rollout's optimizer steps are done:
+        the next step starts from None anyway, and generation (under torchrun, with the gathered
+        full parameters) then runs without them."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.optimizer.zero_grad(set_to_none=True)
+
     def train_rollout(self, batch: TrainBatch) -> dict[str, float]:
         """All optimizer steps for one rollout; returns statistics averaged over its steps."""
         gbs, mbs = self.algo.batch_sizes(len(batch))
