@@ -1697,7 +1697,17 @@ def run_mutant(
             "MILEAGE_TEST_HOME": home,
             "OMP_NUM_THREADS": "1",
         }
-        command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-n", "0"]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rfE",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+        ]
         try:
             done = subprocess.run(
                 [*command, *(mutant.tests if mutant else tests)],
