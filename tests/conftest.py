@@ -115,6 +115,12 @@ def cli(mileage_home):
     return run_cli
 
 
+def torchrun_env() -> dict[str, str]:
+    """The environment of a `torchrun` launch in tests: this checkout's code, one thread per
+    rank, output unbuffered (what a rank printed before a kill is not lost)."""
+    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def fast_train_args(hf_dir: Path, *extra: str) -> list[str]:
     """Flags for a seconds-long `mileage train` on the tiny random model."""
     return [

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_learned
+from conftest import REPO, assert_learned, torchrun_env
 from safetensors.torch import load_file
 
 from mileage.checkpoint.layout import META, TRACKER, checkpoint_path, read_tracker
@@ -86,10 +86,6 @@ CHAIN = [
 ]
 
 pytestmark = pytest.mark.slow
-
-
-def torchrun_env() -> dict[str, str]:
-    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run_train(args: list[str], save: Path, nproc: int = 1) -> subprocess.CompletedProcess:

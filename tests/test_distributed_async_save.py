@@ -13,7 +13,7 @@ trainer state and the metrics equal the reference's.
 from __future__ import annotations
 
 import pytest
-from conftest import REPO, assert_learned
+from conftest import assert_learned, torchrun_env
 
 from mileage.checkpoint.layout import checkpoint_path, read_tracker
 from mileage.checkpoint.store import verify_checkpoint
@@ -49,10 +49,6 @@ CHAIN = [
     (Kill.at("save_after_model", rank=0), 0),  # rollout 1's save
     (Kill.at("commit_before_tracker", rank=0), 0),  # a complete iter_1 the tracker misses
 ]
-
-
-def torchrun_env() -> dict[str, str]:
-    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_learned
+from conftest import REPO, assert_learned, torchrun_env
 
 from mileage.checkpoint.layout import CRITIC_DIR, META, TRACKER, checkpoint_path, read_tracker
 from mileage.checkpoint.store import verify_checkpoint
@@ -69,10 +69,6 @@ CHAIN = [
     (Kill.at("save_after_critic_model", rank=0), 1, 0),
     (Kill.at("save_after_critic", 2, rank=0), 2, 1),  # rollout 1 commits first
 ]
-
-
-def torchrun_env() -> dict[str, str]:
-    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import re
 import urllib.request
 
 import pytest
-from conftest import REPO, assert_learned
+from conftest import assert_learned, torchrun_env
 
 from mileage.metrics import TIMING_KEYS, read_metrics
 from mileage.testing.compare import compare_runs
@@ -41,10 +41,6 @@ ARGS = [
     "--rollout-timeout", "30",
     "--rollout-sync-timeout", "60",
 ]  # fmt: skip
-
-
-def torchrun_env() -> dict[str, str]:
-    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def args_for(urls: list[str], num_rollout: int) -> list[str]:

@@ -6,7 +6,7 @@ uninterrupted N=2 run's adapter and optimizer tensors, and its checkpoint reload
 from __future__ import annotations
 
 import pytest
-from conftest import REPO
+from conftest import torchrun_env
 
 from mileage.checkpoint.layout import checkpoint_path, read_tracker
 from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, load_tensors
@@ -39,10 +39,6 @@ CHAIN = [
     Kill.at("commit_before_tracker", rank=0),
     Kill.at("optimizer_step", 2, rank=0),
 ]
-
-
-def torchrun_env() -> dict[str, str]:
-    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(scope="module")

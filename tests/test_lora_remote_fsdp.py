@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import torchrun_env
 
 from mileage.checkpoint.layout import checkpoint_path, read_tracker
 from mileage.checkpoint.tensors import MODEL_DIR, load_tensors
@@ -46,10 +46,6 @@ ARGS = [
     "--rollout-timeout", "30",
     "--rollout-sync-timeout", "60",
 ]  # fmt: skip
-
-
-def torchrun_env() -> dict[str, str]:
-    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def args_for(url: str, num_rollout: int, *extra: str) -> list[str]:
