@@ -213,3 +213,26 @@ class Stopwatch:
     def __exit__(self, *exc) -> None:
         self.wall = time.perf_counter() - self.wall0
         self.cpu = time.process_time() - self.cpu0
+
+
+@contextlib.contextmanager
+def pinned_server(model: str, core: str = "0"):
+    """A fresh `mileage serve` of `model` pinned to `core` with one torch thread, for as long as
+    the block runs; yields the flags that point a `mileage train` at it."""
+    from mileage.testing.servers import start_servers
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    (server,) = start_servers(model, 1, env=env, cores=core)
+    try:
+        yield ["--rollout-engine", "sglang", "--rollout-url", server.url]
+    finally:
+        server.stop()
+
+
+def served_model(extra: list[str]) -> str:
+    """The model a benchmark's server serves: the run's --hf-checkpoint, else the built-in."""
+    if "--hf-checkpoint" in extra:
+        return extra[extra.index("--hf-checkpoint") + 1]
+    from mileage.models.tiny import ensure_builtin_model
+
+    return str(ensure_builtin_model("addition", log=lambda *_: None))

@@ -13,6 +13,12 @@ is the whole gain.
 
     python bench/async_accuracy.py                  # docs/async.png, bench/results/async_accuracy.json
     python bench/async_accuracy.py --num-rollout 60 --eval-interval 5 --png /tmp/a.png
+    python bench/async_accuracy.py --engine serve --png docs/async_serve.png --out async_accuracy_serve
+
+With `--engine serve` each run trains against its own fresh `mileage serve` pinned to core 0 and
+the trainer is pinned to core 1, one thread each, in both runs: the engine and the trainer on
+separate processors, as on a GPU machine, where sync pays G + T per rollout and one-step-off
+max(G, T) (bench/async.py --engine serve measures both).
 
 Run it on an idle machine: on a shared one the times are void (DEVELOPERS.md, "Measuring").
 """
@@ -27,18 +33,43 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import REPO, load_average, machine_info, output_path, write_results
+from _common import (
+    REPO,
+    load_average,
+    machine_info,
+    output_path,
+    pinned_server,
+    served_model,
+    write_results,
+)
 
 RUNS = {  # name: (subcommand, torch threads)
     "sync (train, 2 threads per phase)": ("train", 2),
     "one-step-off (train-async, 1 thread per phase)": ("train-async", 1),
 }
+SERVE_RUNS = {  # the server on core 0, the trainer on core 1, one thread each
+    "sync (train, server on core 0, trainer on core 1)": ("train", 1),
+    "one-step-off (train-async, same cores)": ("train-async", 1),
+}
 
 
-def run(subcommand: str, args: list[str], threads: int, save: Path) -> list[dict]:
-    """One fresh `mileage` process; its metrics records (the evaluation before training first)."""
+def run(
+    subcommand: str,
+    args: list[str],
+    threads: int,
+    save: Path,
+    served: str | None = None,
+    pin: str | None = None,
+) -> list[dict]:
+    """One fresh `mileage` process; its metrics records (the evaluation before training first).
+    `served`: train against a fresh `mileage serve` of that model on core 0, pinned to core 1."""
+    if served is not None:
+        with pinned_server(served, "0") as url:
+            return run(subcommand, [*args, *url], threads, save, pin="1")
     command = [sys.executable, "-m", "mileage", subcommand, *args]
     command += ["--num-threads", str(threads), "--save", str(save)]
+    if pin is not None:
+        command = ["taskset", "-c", pin, *command]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
     if done.returncode != 0:
@@ -87,19 +118,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, default=REPO / "docs" / "async.png")
     parser.add_argument("--out", default="async_accuracy", help="bench/results/<OUT>.json")
     parser.add_argument("--note", default="", help="a line for the plot's title")
+    parser.add_argument(
+        "--engine",
+        choices=("local", "serve"),
+        default="local",
+        help="serve: each run against a `mileage serve` on core 0, the trainer on core 1",
+    )
     options, extra = parser.parse_known_args(argv)
     out = output_path(options.out)  # before measuring, not after
     if not options.png.parent.is_dir():
         parser.error(f"--png {options.png}: its directory does not exist")
     base = ["--num-rollout", str(options.num_rollout), "--eval-interval"]
     base += [str(options.eval_interval), *extra]
+    served = served_model(extra) if options.engine == "serve" else None
+    runs = RUNS if served is None else SERVE_RUNS
     load_before = load_average()
     curves, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="bench-async-acc-") as tmp:
-        for index, (name, (subcommand, threads)) in enumerate(RUNS.items()):
-            records = run(subcommand, base, threads, Path(tmp) / str(index))
+        for index, (name, (subcommand, threads)) in enumerate(runs.items()):
+            records = run(subcommand, base, threads, Path(tmp) / str(index), served)
             curves[name] = accuracy_curve(records)
-    sync_name, async_name = list(RUNS)
+    sync_name, async_name = list(runs)
     sync_final = curves[sync_name][-1][1]
     for name, curve in curves.items():
         reached = time_to_reach(curve, sync_final)
@@ -120,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(1)
     cpu = machine.get("cpu", {}).get("model", "") if isinstance(machine.get("cpu"), dict) else ""
     title = (
-        f"built-in addition task, {options.num_rollout} rollouts; {cpu} "
+        f"built-in addition task, {options.num_rollout} rollouts, engine {options.engine}; {cpu} "
         f"load {load_before} -> {load_after}"
     )
     draw(curves, f"{title}\n{options.note}".strip(), options.png)
@@ -131,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine,
             "load": [load_before, load_after],
             "args": base,
+            "engine": options.engine,
             "curves": curves,
             "rows": rows,
         },

@@ -1,13 +1,17 @@
 """Where one RL step's time goes: the torch profiler around real `mileage train` rollouts.
 
 Builds the run exactly as `mileage train` does (same flags, same components), runs a few
-untimed rollouts, then profiles the next ones phase by phase: generate (sampling + scoring),
-pack (samples -> padded tensors), train (forward, backward, clip, AdamW). Prints the wall time
-of each phase and the operators with the most self CPU time, and writes both to
-bench/results/profile_NAME.txt.
+untimed rollouts, times the next ones phase by phase without the profiler, then profiles as many
+again: generate (sampling + scoring), pack (samples -> padded tensors), train (forward,
+backward, clip, AdamW). Prints the wall time of each phase, the operators with the most self CPU
+time, and how close the training pass comes to the host's matmul limit: the matmul FLOPs the
+profiler counts inside the train phase (`with_flops`: mm, addmm, bmm, with their shapes),
+divided by the train phase's unprofiled wall time, against `_common.matmul_limits` for the run's
+precision (square matmuls, same threads). Writes it all to bench/results/profile_NAME.txt and
+the figures to bench/results/profile_NAME.json.
 
     python bench/profile_step.py --name tiny
-    python bench/profile_step.py --name smollm2 --rollouts 2 -- \
+    python bench/profile_step.py --name smollm2 --rollouts 3 -- \
         --hf-checkpoint "$(mileage smollm2)" --rollout-batch-size 4 --n-samples-per-prompt 4 \
         --rollout-max-response-len 32
 
@@ -21,7 +25,7 @@ import sys
 import time
 from collections import defaultdict
 
-from _common import RESULTS, load_average, machine_info
+from _common import RESULTS, load_average, machine_info, matmul_limits, write_results
 
 TINY_STEP = [
     "--rollout-batch-size", "16",
@@ -52,12 +56,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from mileage.cli.main import build_parser
     from mileage.components import build_run, restore
+    from mileage.precision import precision_of
     from mileage.preflight import preflight
     from mileage.rollout.rollout import generate_samples
     from mileage.run_config import RunConfig
     from mileage.training.batch import pack_samples
 
-    total = args.warmup + args.rollouts
+    total = args.warmup + 2 * args.rollouts
     ns = build_parser().parse_args(["train", *TINY_STEP, *train_flags, "--num-rollout", str(total)])
     cfg = RunConfig.from_args(ns)
     pre = preflight(cfg)
@@ -86,10 +91,15 @@ def main(argv: list[str] | None = None) -> int:
 
     for rollout_id in range(args.warmup):
         one_rollout(rollout_id, None)
+    clean: dict[str, list[float]] = defaultdict(list)  # the same work without the profiler
+    for rollout_id in range(args.warmup, args.warmup + args.rollouts):
+        one_rollout(rollout_id, clean)
     walls: dict[str, list[float]] = defaultdict(list)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for rollout_id in range(args.warmup, total):
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        for rollout_id in range(args.warmup + args.rollouts, total):
             one_rollout(rollout_id, walls)
+    train_ops = phase_ops(prof.events(), "train")
+    train_gflop = sum(row[2] for row in train_ops.values()) / args.rollouts / 1e9
 
     machine = machine_info(cfg.loop.num_threads)
     lines = [
@@ -105,12 +115,71 @@ def main(argv: list[str] | None = None) -> int:
         mean = sum(walls[phase]) / args.rollouts
         lines.append(f"{phase:<10} {mean:.4f}  ({100 * mean / step:.0f} %)")
     lines += [f"{'step':<10} {step:.4f}", ""]
+    precision = precision_of(run.actor.model)
+    limits = matmul_limits(cfg.loop.num_threads)[precision]
+    train_s = sum(clean["train"]) / args.rollouts
+    achieved = train_gflop / train_s
+    lines += [
+        "phase      mean wall s without the profiler",
+        *(f"{phase:<10} {sum(clean[phase]) / args.rollouts:.4f}" for phase in PHASES),
+        "",
+        f"training pass: {train_gflop:.1f} GFLOP of matmuls per rollout in {train_s:.3f} s = "
+        f"{achieved:.0f} GFLOP/s; {precision} matmul limit on this host "
+        + ", ".join(f"{n}^3 {v:.0f}" for n, v in limits.items())
+        + f" GFLOP/s; {100 * achieved / max(limits.values()):.0f} % of the best",
+        "",
+    ]
+    lines += ["the train phase's operators (self CPU time; GFLOP/s of the matmul kernels)"]
+    lines += ops_table(train_ops, args.top)
+    lines += ["", "all phases"]
     lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"profile_{args.name}.txt").write_text(text + "\n")
+    write_results(
+        RESULTS / f"profile_{args.name}.json",
+        {
+            "machine": machine,
+            "flags": TINY_STEP + train_flags,
+            "precision": precision,
+            "walls_s": {p: sum(clean[p]) / args.rollouts for p in PHASES},
+            "walls_profiled_s": {p: sum(walls[p]) / args.rollouts for p in PHASES},
+            "train_gflop": train_gflop,
+            "train_gflops": achieved,
+            "matmul_limit_gflops": limits,
+        },
+    )
     return 0
+
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def phase_ops(events, phase: str) -> dict[str, list[float]]:
+    """Per operator inside `phase`'s record_function ranges: [self CPU us, calls, FLOPs]. FLOPs
+    are counted for the matmul kernels only (the profiler also estimates elementwise mul/add,
+    and a matmul is counted once, at its kernel, never at aten::matmul or aten::linear above it).
+    Attention's FLOPs are not counted, so the share of the limit is a lower bound."""
+    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == phase]
+    ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    for event in events:
+        if event.name == phase or not any(a <= event.time_range.start <= b for a, b in ranges):
+            continue
+        row = ops[event.name]
+        row[0] += event.self_cpu_time_total
+        row[1] += 1
+        row[2] += (event.flops or 0) if event.name in MATMULS else 0
+    return ops
+
+
+def ops_table(ops: dict[str, list[float]], top: int) -> list[str]:
+    total = sum(row[0] for row in ops.values())
+    lines = [f"{'operator':<55} {'self ms':>9} {'%':>6} {'calls':>7} {'GFLOP/s':>8}"]
+    for name, (us, calls, flops) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]:
+        rate = f"{flops / us / 1e3:8.0f}" if flops else ""
+        lines.append(f"{name[:55]:<55} {us / 1e3:9.1f} {100 * us / total:6.1f} {calls:7d} {rate}")
+    return lines
 
 
 if __name__ == "__main__":

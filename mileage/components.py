@@ -37,10 +37,8 @@ from mileage.checkpoint.tensors import (
 from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
 from mileage.distributed.checkpoint import ShardedCheckpointWriter, rng_of_this_rank
-from mileage.distributed.lora_remote import ShardedLoraSync
-from mileage.distributed.parallelize import shard_from_rank0, shard_run_models
-from mileage.distributed.remote import RemoteEngineOnRank0
-from mileage.distributed.rollout import ShardedGenerationEngine
+from mileage.distributed.coordination import stop_together
+from mileage.distributed.setup import distribute_run, load_on_rank0
 from mileage.errors import UserError
 from mileage.metrics import MetricsLog
 from mileage.models.hf import (
@@ -137,32 +135,11 @@ def _load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
     return model
 
 
-def _load_on_rank0(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
-    """`_load_weights`, except under torchrun: only rank 0 reads the weights; the other ranks
-    build the architecture on the meta device (no storage) and get their shards of rank 0's
-    values when the model is sharded (`parallelize.shard_from_rank0`), so no rank but 0 ever
-    holds the full model. A failure on rank 0 stops every rank with its line."""
+def _load(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
+    """The weights at `path`; under torchrun only rank 0 reads them (`load_on_rank0`)."""
     if not env.is_distributed():
         return _load_weights(path, fmt, config_dir)
-    model = _stop_together(lambda: _load_weights(path, fmt, config_dir) if env.is_main() else None)
-    return model if env.is_main() else empty_causal_lm(config_dir, device="meta")
-
-
-def _stop_together(work):
-    """`work()` on every rank. Under torchrun only rank 0 reads weight files, so a refusal there
-    (a damaged or mismatched file) is sent to every rank and stops them all with its line, where
-    the others would otherwise wait in the next collective until its timeout."""
-    if not env.is_distributed():
-        return work()
-    result, error = None, None
-    try:
-        result = work()
-    except UserError as exc:
-        error = str(exc)
-    shared = env.broadcast_object(error if env.is_main() else None)
-    if shared is not None or error is not None:
-        raise UserError(shared if shared is not None else error)
-    return result
+    return load_on_rank0(lambda: _load_weights(path, fmt, config_dir), config_dir)
 
 
 def _hf_exporter(template: str | None, config_dir: str, log):
@@ -224,11 +201,11 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             log(f"reference model: the base {lora.base['path']} (adapter disabled)")
     else:
         refuse_adapter_without_lora(plan.weights_from, plan.weights_format)
-        model = _load_on_rank0(plan.weights_from, plan.weights_format, config_dir)
+        model = _load(plan.weights_from, plan.weights_format, config_dir)
     # every copy made from here on (critic body, generation copy) inherits the precision
     set_precision(model, plan.precision)
     if cfg.algo.needs_reference and lora is None:
-        reference = _load_on_rank0(ref_path, ref_fmt, config_dir).requires_grad_(False)
+        reference = _load(ref_path, ref_fmt, config_dir).requires_grad_(False)
         set_precision(reference, plan.precision)
         log(f"reference model: {ref_path} ({ref_fmt})")
     if not env.is_distributed():
@@ -253,35 +230,24 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     value_model = None
     if plan.critic:
         start = MergedView(lora.peft_model, config_dir).model if lora else None
-        value_model = _stop_together(
+        value_model = stop_together(
             lambda: build_value_model(
                 model, plan.critic_from, config_dir, cfg.loop.seed, start_from=start
             )
         )
-    if env.is_distributed():  # FSDP2; the in-process engine decodes with the gathered shards
-        local = engine is not None and engine.in_process
-        # a plain copy only under bf16 mixed precision (distributed/rollout.py says why)
-        keep_copy = local and cfg.parallel.fsdp_mixed_precision != "none"
-        # a LoRA reference is the sharded policy itself, run with its adapter off
-        model, sharded_reference, generation_copy = shard_run_models(
-            model, None if lora else reference, cfg.parallel, generation_copy=keep_copy
+    if env.is_distributed():  # FSDP2 over the ranks, and the engine wrapped for them
+        model, reference, engine = distribute_run(
+            model,
+            reference,
+            value_model,
+            engine,
+            lora,
+            cfg.parallel,
+            cfg.rollout.n_samples_per_prompt,
+            from_tensor=cfg.lora.lora_sync_from_tensor,
+            adapters=engine is not None and lora is not None and takes_adapters(engine),
+            log=log,
         )
-        reference = reference if lora else sharded_reference
-        if value_model is not None:  # sharded like the actor; saved as shards in critic/
-            shard_from_rank0(value_model, cfg.parallel)
-        if engine is not None and not local and lora is not None:
-            # rank 0 gathers the adapter (the base once) from the shards and sends it
-            from_tensor = cfg.lora.lora_sync_from_tensor
-            engine = ShardedLoraSync(engine, lora, from_tensor, log, takes_adapters(engine))
-        elif engine is not None and not local:  # rank 0 drives the servers, no copy is kept
-            engine = RemoteEngineOnRank0(engine)
-        elif engine is not None:
-            engine.model = model if generation_copy is None else generation_copy
-            engine = ShardedGenerationEngine(
-                engine,
-                cfg.rollout.n_samples_per_prompt,
-                loss_precision_matches=cfg.parallel.fsdp_mixed_precision == "none",
-            )
     optimizer = build_optimizer(model, cfg.optim)
     steps_per_rollout = (
         cfg.rollout.samples_per_rollout // cfg.algo.batch_sizes(cfg.rollout.samples_per_rollout)[0]

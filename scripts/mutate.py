@@ -513,9 +513,9 @@ MUTANTS = [
     Mutant(
         "dist-generation-copy-kept",
         "at N=2 every rank keeps a full copy of the policy for the in-process engine again",
-        "mileage/components.py",
-        '        keep_copy = local and cfg.parallel.fsdp_mixed_precision != "none"\n',
-        "        keep_copy = local\n",
+        "mileage/distributed/setup.py",
+        '    keep_copy = local and parallel.fsdp_mixed_precision != "none"\n',
+        "    keep_copy = local\n",
         (DIST_MEMORY_N2,),
     ),
     Mutant(
@@ -596,8 +596,8 @@ MUTANTS = [
         "dist-lock-refusal-not-shared",
         "when rank 0 cannot take the save directory's lock the other ranks are not told",
         "mileage/distributed/coordination.py",
-        "    error = env.broadcast_object(error)\n",
-        "",
+        "    on_rank0(lambda: lock.acquire() and None)  # the lock object stays on rank 0\n",
+        "    if env.is_main():\n        lock.acquire()\n",
         (f"{DIST}::test_second_torchrun_job_on_a_save_in_use_exits_2_on_every_rank",),
     ),
     Mutant(
@@ -662,7 +662,7 @@ MUTANTS = [
     Mutant(
         "rank0-refusal-not-shared",
         "a refusal while rank 0 alone reads weights stops rank 0 only (the others hang)",
-        "mileage/components.py",
+        "mileage/distributed/coordination.py",
         "shared = env.broadcast_object(error if env.is_main() else None)",
         "shared = None",
         ("tests/test_distributed_load.py",),

@@ -46,6 +46,7 @@ from mileage.cli.model_commands import default_smollm2_dir  # noqa: E402
 
 FILTER = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
 TICK = float(os.sysconf("SC_CLK_TCK"))
+PROG = Path(sys.argv[0]).stem  # this script, or recipe_precision_paired.py that reuses it
 
 
 def recipe_flags(lr: str, temp: str) -> list[str]:
@@ -140,7 +141,7 @@ def run_arms(
             for arm in arms:
                 if arm.rc is None:
                     arm.proc.kill()
-            raise SystemExit("recipe_ds_paired: the arms ran past 3 hours; killed")
+            raise SystemExit(f"{PROG}: the arms ran past 3 hours; killed")
         lead = arms[0]
         if stop_with_first and lead.rc is not None:
             for arm in arms[1:]:
@@ -150,7 +151,7 @@ def run_arms(
     for arm in arms:
         arm.poll()
         if arm.rc != 0:
-            raise SystemExit(f"recipe_ds_paired: arm {arm.name} exited {arm.rc}; see its log")
+            raise SystemExit(f"{PROG}: arm {arm.name} exited {arm.rc}; see its log")
     return arms
 
 

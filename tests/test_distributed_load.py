@@ -34,7 +34,8 @@ path, out = sys.argv[1], sys.argv[2]
 loaded = load_causal_lm(path)  # what every rank compares with (the test's own copy)
 expected = {k: v.clone() for k, v in loaded.state_dict().items()}
 buffers = {k: v.clone() for k, v in loaded.named_buffers()}
-model = load_causal_lm(path) if env.is_main() else empty_causal_lm(path, device="meta")
+from mileage.distributed.setup import load_on_rank0
+model = load_on_rank0(lambda: load_causal_lm(path), path)
 built_on_meta = is_meta(model)
 reference = load_causal_lm(path) if env.is_main() else empty_causal_lm(path, device="meta")
 model, reference, copy = shard_run_models(model, reference, ParallelConfig(device="cpu"))
@@ -51,16 +52,21 @@ report = {
              copy.lm_head.weight is copy.model.embed_tokens.weight],
 }
 # a refusal while rank 0 alone reads (a damaged critic/, say) stops every rank with its line
-from mileage.components import _stop_together
+from mileage.distributed.coordination import on_rank0, stop_together
 from mileage.errors import UserError
 def refuse_on_rank0():
     if env.is_main():
         raise UserError("rank 0 refused the file")
     return "rank 1 went on"
 try:
-    report["stopped"] = _stop_together(refuse_on_rank0)
+    report["stopped"] = stop_together(refuse_on_rank0)
 except UserError as exc:
     report["stopped"] = f"UserError: {exc}"
+report["rank0_said"] = on_rank0(lambda: f"rank {env.rank()}")  # rank 0's answer, on every rank
+try:
+    on_rank0(refuse_on_rank0)
+except UserError as exc:
+    report["rank0_refused"] = str(exc)
 with open(f"{out}.{env.rank()}", "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()
@@ -85,3 +91,5 @@ def test_rank_0_alone_loads_and_every_rank_gets_exactly_its_values(builtin_model
         assert report["buffers_differ"] == [] and report["copy_differs"] == []
         assert report["tied"] == [True, True]
         assert report["stopped"] == "UserError: rank 0 refused the file"
+        assert report["rank0_said"] == "rank 0"
+        assert report["rank0_refused"] == "rank 0 refused the file"

@@ -15,7 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from mileage.distributed import env
-from mileage.distributed.remote import RemoteEngineOnRank0, _on_rank0
+from mileage.distributed.coordination import on_rank0
+from mileage.distributed.remote import RemoteEngineOnRank0
 
 
 class BackgroundGeneration:
@@ -42,7 +43,7 @@ class BackgroundGeneration:
         in the same order)."""
         if not self.shared:
             return future.result()
-        return _on_rank0(lambda: future.result())  # called on rank 0 only
+        return on_rank0(lambda: future.result())  # called on rank 0 only
 
     def close(self) -> None:
         if self.pool is not None:

@@ -1,4 +1,9 @@
-"""Decisions every rank must take together: who holds the save directory, and when to stop.
+"""Decisions every rank must take together: work only rank 0 can do, who holds the save
+directory, and when to stop.
+
+Rank 0 alone reads weight files and talks to rollout servers; `on_rank0` and `stop_together`
+share its result or its refusal, so a one-line error there stops every rank with that line where
+the others would otherwise wait in the next collective until its timeout.
 
 Rank 0 holds the save directory's lock (`SaveDirLock`); the other ranks learn whether it got it
 and stop with the same one-line error if not, so a second torchrun job on a --save in use exits
@@ -9,14 +14,47 @@ rollout, so all of them save that rollout and stop together.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any, TypeVar
 
 from mileage.checkpoint.lock import SaveDirLock
 from mileage.distributed import env
 from mileage.errors import UserError
 from mileage.preemption import PreemptionGuard
 from mileage.progress import RunProgress
+
+T = TypeVar("T")
+
+
+def on_rank0(work: Callable[[], T]) -> T:
+    """`work()` on rank 0, its result (or its UserError) on every rank."""
+    outcome: tuple[str, Any] | None = None
+    if env.is_main():
+        try:
+            outcome = ("ok", work())
+        except UserError as exc:
+            outcome = ("error", str(exc))
+    kind, value = env.broadcast_object(outcome)
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
+def stop_together(work: Callable[[], T]) -> T:
+    """`work()` on every rank, each keeping its own result (rank 0's may be a model, which is
+    never sent); a UserError on rank 0 is raised on every rank."""
+    if not env.is_distributed():
+        return work()
+    result, error = None, None
+    try:
+        result = work()
+    except UserError as exc:
+        error = str(exc)
+    shared = env.broadcast_object(error if env.is_main() else None)
+    if shared is not None or error is not None:
+        raise UserError(shared if shared is not None else error)
+    return result
 
 
 @contextmanager
@@ -27,15 +65,7 @@ def save_dir_lock(save: str | None) -> Iterator[SaveDirLock | None]:
             yield lock
         return
     lock = SaveDirLock(save)
-    error = None
-    if env.is_main():
-        try:
-            lock.acquire()
-        except UserError as exc:
-            error = str(exc)
-    error = env.broadcast_object(error)
-    if error:
-        raise UserError(error)
+    on_rank0(lambda: lock.acquire() and None)  # the lock object stays on rank 0
     try:
         yield lock
     finally:

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from mileage.distributed import env
-from mileage.distributed.remote import RemoteEngineOnRank0, _on_rank0, gather_full
+from mileage.distributed.coordination import on_rank0
+from mileage.distributed.remote import RemoteEngineOnRank0, gather_full
 from mileage.models.hf import write_atomically
 from mileage.models.lora import ADAPTER, save_adapter_tensors
 from mileage.models.tensors import model_tensors
@@ -79,7 +80,7 @@ class ShardedLoraSync(RemoteEngineOnRank0):
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         if self.merged_why is None and not self.base_synced:
             record = self.policy.record
-            problem = _on_rank0(
+            problem = on_rank0(
                 lambda: self.engine.adapter_problem(
                     record["lora_rank"], record["target_modules"], self.from_tensor
                 )
@@ -152,7 +153,7 @@ class ShardedLoraSync(RemoteEngineOnRank0):
                 )
             return None
 
-        refused = _on_rank0(load)
+        refused = on_rank0(load)
         if refused is None:
             self.weight_version = version
         return refused

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from mileage.checkpoint.tensors import model_tensors
 from mileage.distributed import env
+from mileage.distributed.coordination import on_rank0
 from mileage.distributed.parallelize import full_value
 from mileage.errors import UserError
 from mileage.faults import fault_point
@@ -59,20 +60,6 @@ def write_hf_weights(config: Any, tensors: dict[str, torch.Tensor], out: Path) -
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
 
     return write_atomically(out, write)
-
-
-def _on_rank0(work) -> Any:
-    """`work()` on rank 0, its result (or its UserError) on every rank."""
-    outcome: tuple[str, Any] | None = None
-    if env.is_main():
-        try:
-            outcome = ("ok", work())
-        except UserError as exc:
-            outcome = ("error", str(exc))
-    kind, value = env.broadcast_object(outcome)
-    if kind == "error":
-        raise UserError(value)
-    return value
 
 
 class RemoteEngineOnRank0:
@@ -115,7 +102,7 @@ class RemoteEngineOnRank0:
             fault_point("mid_weight_sync")  # written, not yet loaded by the servers
             self.engine.load_weights_from(path, version)
 
-        _on_rank0(load)
+        on_rank0(load)
         self.weight_version = version
 
     def _broadcast(self, model: torch.nn.Module, version: int) -> None:
@@ -125,7 +112,7 @@ class RemoteEngineOnRank0:
         gathers the remaining buckets with the others (sending nothing), so no rank is left
         waiting in a collective, and then every rank stops with its line."""
         first = self.engine is not None and self.engine.broadcast.group is None
-        buckets = _on_rank0(lambda: self.engine.broadcast.plan(model))
+        buckets = on_rank0(lambda: self.engine.broadcast.plan(model))
         tensors = model_tensors(model)
         error = None
         for index, names in enumerate(buckets):
@@ -160,7 +147,7 @@ class RemoteEngineOnRank0:
         seed=None,
         group_size: int = 1,
     ) -> list[Completion]:
-        return _on_rank0(lambda: self.engine.generate(prompts, params, seed, group_size))
+        return on_rank0(lambda: self.engine.generate(prompts, params, seed, group_size))
 
     def close(self) -> None:
         if self.engine is not None:

@@ -24,11 +24,15 @@ class ServeProcess:
         hf_checkpoint: str | Path,
         env: dict[str, str] | None = None,
         args: tuple[str, ...] = (),
+        cores: str | None = None,
     ):
+        """`cores`: pin the server to these CPUs (`taskset -c`), as benchmarks do."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env.pop("MILEAGE_KILL_AT", None)
+        pin = ["taskset", "-c", cores] if cores else []
         self.proc = subprocess.Popen(
             [
+                *pin,
                 sys.executable,
                 "-m",
                 "mileage",
@@ -85,10 +89,11 @@ def start_servers(
     count: int,
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = (),
+    cores: str | None = None,
 ) -> list[ServeProcess]:
     """`count` servers started at once (their start-up overlaps), each ready or raising;
-    `args` are extra `mileage serve` flags (e.g. `--dtype float32`)."""
-    servers = [ServeProcess(hf_checkpoint, env, args) for _ in range(count)]
+    `args` are extra `mileage serve` flags (e.g. `--dtype float32`), `cores` pins them."""
+    servers = [ServeProcess(hf_checkpoint, env, args, cores) for _ in range(count)]
     deadline = time.monotonic() + 180
     try:
         for server in servers:
