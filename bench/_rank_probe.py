@@ -23,6 +23,7 @@ from mileage import components, loop  # noqa: E402
 from mileage.checkpoint.writer import CheckpointWriter  # noqa: E402
 from mileage.cli import train as train_cli  # noqa: E402
 from mileage.cli.main import main  # noqa: E402
+from mileage.distributed import setup  # noqa: E402
 from mileage.distributed.checkpoint import ShardedCheckpointWriter  # noqa: E402
 from mileage.training.actor import Actor  # noqa: E402
 
@@ -65,8 +66,8 @@ CheckpointWriter.save = phase(timed(CheckpointWriter.save, "save_s"), "save")
 # under torchrun (its own save, not calling the one above)
 ShardedCheckpointWriter.save = phase(timed(ShardedCheckpointWriter.save, "save_s"), "save")
 loop.restore = timed(loop.restore, "restore_s")
-components.shard_run_models = phase(components.shard_run_models, "load+shard")
-components._load_on_rank0 = phase(components._load_on_rank0, "load")
+setup.shard_run_models = phase(setup.shard_run_models, "load+shard")
+components._load = phase(components._load, "load")
 train_cli.build_run = phase(train_cli.build_run, "build")
 loop.draw_rollout = phase(loop.draw_rollout, "generate")
 Actor.train_rollout = phase(Actor.train_rollout, "train")
