@@ -137,6 +137,9 @@ def load_optimizer_tensors(
     """Load into tensors laid out like their parameters (sharded like them under FSDP)."""
     directory = Path(checkpoint) / OPTIMIZER_DIR
     params = dict(model.named_parameters())
+    # the fused AdamW keeps its step counts on the parameters' device, the per-tensor loop on
+    # the CPU (what torch's own load_state_dict arranges)
+    fused = any(group.get("fused") for group in optimizer.param_groups)
     targets = {}
     with overwritten_allocations():
         for name, meta in tensor_metadata(directory).items():
@@ -148,7 +151,8 @@ def load_optimizer_tensors(
             if getattr(meta, "size", None) == param.shape and dtype is not None:
                 targets[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)
             elif dtype is not None:
-                targets[name] = torch.empty(meta.size, dtype=dtype)
+                device = param.device if fused else torch.device("cpu")
+                targets[name] = torch.empty(meta.size, dtype=dtype, device=device)
     tensors = load_tensors(directory, into=targets)
     for name, value in tensors.items():
         param_name, _, key = name.rpartition(".")

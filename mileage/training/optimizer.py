@@ -74,12 +74,15 @@ def build_optimizer(
         {"params": [p for p in params if p.ndim >= 2]},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    # foreach=False: the per-tensor loop is bit-stable regardless of how tensors are grouped
+    # fused: one pass over each parameter, its gradient and moments per step instead of one per
+    # elementwise op (3-4x faster than the per-tensor loop on SmolLM2, bench/optimizer.py). It
+    # is elementwise, so its values do not depend on how parameters are grouped or sharded
+    # (tests/test_optimizer.py): a resume, and a resharded one, see the same arithmetic.
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
         lr=cfg.lr if lr is None else lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
-        foreach=False,
+        fused=True,
     )
