@@ -3,6 +3,8 @@ gain of auto and its held-out score against fp32's on the same items.
 
     python scripts/recipe_precision_paired.py [OUT_DIR]      (default runs/recipe_precision)
     python scripts/recipe_precision_paired.py OUT --rollouts 20 --cores 0,1
+    python scripts/recipe_precision_paired.py runs/demo_precision --demo   (the README's demo:
+        the built-in task, its default flags and 150 rollouts, scored on its 500 held-out sums)
 
 Both arms run the same schedule (`--rollouts`, the recipe's 20) at the same time, each pinned to
 its own core with `--num-threads 1`, so each sees the same neighbour for most of its run; the
@@ -67,10 +69,17 @@ def main() -> None:
     ap.add_argument("--lr", default="1e-5")
     ap.add_argument("--temperature", default="1.0")
     ap.add_argument("--eval-only", action="store_true", help="score the arms of OUT/summary.json")
+    ap.add_argument(
+        "--demo", action="store_true", help="the README's default run instead of the recipe"
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = recipe_flags(args.lr, args.temperature)
+    if args.demo:  # `mileage train`'s defaults (150 rollouts), one thread per arm
+        base = ["--eval-interval", "0", "--num-threads", "1"]
+        args.rollouts = 150 if args.rollouts == 20 else args.rollouts
+    else:
+        base = recipe_flags(args.lr, args.temperature)
     auto_is = resolved_precision(ARMS["auto"])
     print(f"--precision auto is {auto_is} on this host", flush=True)
     if args.eval_only:
@@ -86,7 +95,8 @@ def main() -> None:
             stop_with_first=False,
         )
         cost = {arm.name: timing(arm.dir, arm.wall, arm.cpu) for arm in arms}
-        summary = {"auto_resolves_to": auto_is, "rollouts": args.rollouts, "cost": cost,
+        summary = {"run": "demo" if args.demo else "recipe", "auto_resolves_to": auto_is,
+                   "rollouts": args.rollouts, "cost": cost,
                    "fp32_over_auto": gains(cost["fp32"], cost["auto"])}  # fmt: skip
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     summary["held_out"] = evaluate(out, base, args.rollouts)
