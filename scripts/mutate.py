@@ -254,6 +254,15 @@ MUTANTS = [
         (f"{FAULTS}::test_the_rerun_removes_and_names_what_a_killed_save_left",),
     ),
     Mutant(
+        "dcp-failure-message-keeps-the-traceback",
+        "a DCP save failure that is no OSError (a full disk in torch.save) is reported with "
+        "DCP's whole text, every rank's traceback included",
+        "mileage/checkpoint/tensors.py",
+        '        line = (str(first).strip().splitlines() or [""])[0]\n',
+        "        line = str(exc)\n",
+        (f"{FAULTS}::test_a_dcp_failure_that_is_no_os_error_is_one_line_with_the_room_left",),
+    ),
+    Mutant(
         "failed-save-keeps-staging",
         "a failed save leaves its staging directory behind",
         "mileage/checkpoint/store.py",

@@ -110,3 +110,30 @@ def test_write_errors_inside_dcp_and_safetensors_surface_as_os_errors(tmp_path):
         save_tensors({"w": torch.zeros(3)}, occupied)
     with pytest.raises(OSError, match="writing rng.safetensors failed"):
         save_safetensors({"w": torch.zeros(3)}, tmp_path / "deleted" / "rng.safetensors")
+
+
+def test_a_dcp_failure_that_is_no_os_error_is_one_line_with_the_room_left(tmp_path, monkeypatch):
+    """A full disk under torch.save's zip writer is a RuntimeError, and DCP's exception text
+    carries every rank's traceback: the save reports the first line of the cause and how much
+    room the file system has, never the traceback."""
+    import traceback
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mileage.checkpoint.tensors import save_tensors
+
+    def full_disk(*_args, **_kwargs):
+        cause = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598\n"
+                             "frame #0: c10::ThrowEnforceNotMet")  # fmt: skip
+        raise CheckpointException("failed", {0: (cause, traceback.StackSummary())})
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(OSError) as caught:
+        save_tensors({"w": torch.zeros(3)}, tmp_path / "model")
+    message = str(caught.value)
+    assert "\n" not in message and "Traceback" not in message
+    assert "writing model failed: RuntimeError: [enforce fail at inline_container.cc:672] . " \
+           "unexpected pos 704 vs 598 (" in message  # fmt: skip
+    assert message.endswith(f"MiB free on its file system): '{tmp_path / 'model'}'")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,10 +69,27 @@ def save_tensors(tensors: dict[str, torch.Tensor], directory: Path, process_grou
         cause = next((e for e in errors if isinstance(e, OSError)), None)
         if cause is not None:
             raise cause from None
+        # not an OSError: torch.save's zip writer reports a full disk as a RuntimeError
+        # ("unexpected pos ..."), and DCP's own message carries every rank's traceback; keep
+        # the first line of the first failure, and say how much room the file system has left
+        first = errors[0] if errors else exc
+        line = (str(first).strip().splitlines() or [""])[0]
         raise OSError(
-            errno.EIO, f"writing {directory.name} failed: {exc}", str(directory)
+            errno.EIO,
+            f"writing {directory.name} failed: {type(first).__name__}: {line}{_room(directory)}",
+            str(directory),
         ) from None
     fsync_path(directory)
+
+
+def _room(directory: Path) -> str:
+    """' (N MiB free on its file system)', or '' where that cannot be read."""
+    for place in (directory, *directory.parents):
+        try:
+            return f" ({shutil.disk_usage(place).free / 2**20:.0f} MiB free on its file system)"
+        except OSError:
+            continue
+    return ""
 
 
 def tensor_metadata(directory: str | Path) -> dict:
