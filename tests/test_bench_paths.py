@@ -93,7 +93,9 @@ def test_results_are_written_outside_the_repository(tmp_path, capsys):
     assert capsys.readouterr().out == f"wrote {path}\n"
 
 
-@pytest.mark.parametrize("script", ["rl_step", "generation", "resume", "checkpoint", "async", "optimizer"])
+@pytest.mark.parametrize(
+    "script", ["rl_step", "generation", "resume", "checkpoint", "async", "optimizer"]
+)
 def test_each_benchmark_refuses_a_bad_out_at_once(script, tmp_path):
     missing = tmp_path / "no" / "such" / "dir" / "x.json"
     proc = subprocess.run(
