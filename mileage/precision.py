@@ -7,7 +7,8 @@ fp32 there. `--bf16` is miles'/Megatron's switch and means `--precision bf16`.
 
 In bf16 the parameters, gradients and optimizer state stay fp32 (master weights); each forward
 (and so its backward) and each generation step runs under `torch.autocast` in bf16, which rounds
-the matmul inputs to bf16 and keeps reductions such as log-softmax and RMSNorm in fp32. A model
+the matmul inputs to bf16 and keeps reductions such as log-softmax and RMSNorm in fp32 (and on a
+CPU, attention too: `mileage.models.attention`). A model
 carries its precision as an attribute (`set_precision`), so every code path that runs it
 (training, reference, critic, the in-process engine, `mileage serve`) enters the same context
 through `autocast(model)`, in any thread, and a deep copy keeps it.
@@ -82,10 +83,14 @@ def resolve(requested: str, device: torch.device) -> tuple[str, str]:
 
 
 def set_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """Mark `model` to run its forwards (and generation) in `precision`."""
+    """Mark `model` to run its forwards (and generation) in `precision`; in bf16 a transformers
+    model's SDPA attention becomes `mileage_sdpa` (fp32 attention on a CPU)."""
     if precision not in (FP32, BF16):
         raise ValueError(f"not a resolved precision: {precision!r}")
+    from mileage.models.attention import use_mileage_attention
+
     setattr(model, _ATTR, precision)
+    use_mileage_attention(model, precision == BF16)
     return model
 
 

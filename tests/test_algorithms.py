@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from mileage.training.advantages import EPS, compute_advantages, grpo_advantages
+from mileage.training.logprobs import token_logprobs
 from mileage.training.losses import (
     LossReducer,
     kl_estimate,
     ppo_clip_loss,
-    token_logprobs,
     value_loss,
 )
 from mileage.training.optimizer import LRSchedule

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mileage.precision import BF16, FP32, set_precision
 from mileage.rollout.engine import LocalEngine, SamplingParams, sample_tokens
 from mileage.training.actor import sequence_logprobs
 from mileage.training.batch import pack_samples
@@ -29,10 +31,14 @@ def test_same_generator_seed_same_samples(tiny_hf):
     assert [c.response_ids for c in first] != [c.response_ids for c in other]
 
 
-def test_the_fast_decoder_is_bit_identical_to_stepping_the_transformers_model(tiny_hf, monkeypatch):
+@pytest.mark.parametrize("precision", [FP32, BF16])
+def test_the_fast_decoder_is_bit_identical_to_stepping_the_transformers_model(
+    tiny_hf, monkeypatch, precision
+):
     from mileage.rollout.fast_decode import FastDecoder
 
     engine, model = engine_for(tiny_hf)
+    set_precision(model, precision)  # bf16: mileage_sdpa, fp32 attention on this CPU
     assert FastDecoder.supports(model, 64), "the tiny Llama should take the fast path"
     params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95)
     fast = engine.generate(PROMPTS * 3, params, torch.Generator().manual_seed(5))

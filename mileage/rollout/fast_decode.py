@@ -1,5 +1,5 @@
 """`FastDecoder`: one decode step of a Llama-family model (Llama, Mistral, Qwen2 with SDPA
-attention) against a preallocated KV cache, op for op the arithmetic of the `transformers`
+attention, or its `mileage_sdpa` form) against a preallocated KV cache, op for op the arithmetic of the `transformers`
 model, so its tokens and log-probs are bit-identical to stepping that model. It skips what
 costs time there: regrowing the cache by concatenation every step, rebuilding masks and rotary
 tables, generic per-call Python. `LocalEngine` uses it when `FastDecoder.supports` the model.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+from mileage.models import attention
 
 # Model types whose decoder layer is Llama's (pre-norm RMSNorm, rotary attention, SiLU-gated MLP).
 FAST_DECODE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -44,6 +46,7 @@ class FastDecoder:
         self.embed = core.embed_tokens.weight
         self.norm = core.norm
         self.lm_head = model.lm_head
+        self.mileage_attention = model.config._attn_implementation == attention.NAME
         shape = (batch, self.kv_heads, total_len, self.head_dim)
         self.keys = [self.embed.new_empty(shape) for _ in self.layers]
         self.values = [self.embed.new_empty(shape) for _ in self.layers]
@@ -54,7 +57,7 @@ class FastDecoder:
         config = getattr(model, "config", None)
         if config is None or getattr(config, "model_type", None) not in FAST_DECODE_MODEL_TYPES:
             return False
-        if getattr(config, "_attn_implementation", None) != "sdpa":
+        if getattr(config, "_attn_implementation", None) not in ("sdpa", attention.NAME):
             return False  # eager/flash attention round differently; keep the model's own kernels
         if getattr(config, "hidden_act", None) != "silu":
             return False
@@ -85,6 +88,25 @@ class FastDecoder:
         # x*cos + rotate_half(x)*sin, with the sign of rotate_half folded into `sin`
         half = self.head_dim // 2
         return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def _attend(self, q, k, v, mask, extra) -> torch.Tensor:
+        if not (self.mileage_attention and attention.upcast_on_cpu(q)):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling, is_causal=False, **extra
+            )
+        # mileage_sdpa's arithmetic: fp32 from the exactly upcast inputs, rounded back after
+        with torch.autocast("cpu", enabled=False):
+            o = F.scaled_dot_product_attention(
+                q.float(),
+                k.float(),
+                v.float(),
+                attn_mask=mask,
+                dropout_p=0.0,
+                scale=self.scaling,
+                is_causal=False,
+                **extra,
+            )
+        return o.to(q.dtype)
 
     def step(
         self,
@@ -120,9 +142,7 @@ class FastDecoder:
                     # the query heads sharing a KV head become its query rows (transformers'
                     # pack_gqa), so K/V are never repeated
                     q = q.reshape(batch, kv_heads, self.groups, dim)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling, is_causal=False, **extra
-            )
+            o = self._attend(q, k, v, mask, extra)
             o = o.reshape(batch, heads, 1, dim).transpose(1, 2).reshape(batch, 1, heads * dim)
             h = h + attn.o_proj(o)
             norm = layer.post_attention_layernorm

@@ -24,7 +24,8 @@ from mileage.training.algo import AlgoConfig, load_custom_loss
 from mileage.training.batch import TrainBatch
 from mileage.training.corrections import opsm_keep
 from mileage.training.critic import Critic
-from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss, token_logprobs
+from mileage.training.logprobs import token_logprobs
+from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss
 from mileage.training.optimizer import LRSchedule
 
 __all__ = ["Actor", "AlgoConfig", "sequence_logprobs"]

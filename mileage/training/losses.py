@@ -1,5 +1,6 @@
-"""Token log-probs, the policy losses (PPO-clip, dual-clip, GSPO), the value and SFT losses, KL
-estimators, entropy, and how per-token values are reduced to one loss (miles' aggregation).
+"""The policy losses (PPO-clip, dual-clip, GSPO), the value loss, KL estimators, and how
+per-token values are reduced to one loss (miles' aggregation). Log-probs and entropies come
+from `mileage.training.logprobs`.
 
 Loss functions return *per-token* tensors; a `LossReducer` turns them into the micro-batch's
 share of the global batch's loss, so gradient accumulation over micro-batches gives the same
@@ -14,33 +15,6 @@ import torch
 # product with it stay finite in float32 (exp overflows past ~88.7; inf * 0 would be NaN)
 LOG_RATIO_CLAMP = 20.0
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
-
-
-def token_logprobs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) per position (and the entropy of each position's distribution).
-
-    `logits[:, i]` scores `targets[:, i]`. The log-prob is gathered before normalising
-    (logit - logsumexp), so the full log-softmax is only built when entropy is requested, and
-    with `entropy_grad=False` (entropy only logged) it is built outside autograd, so none of
-    its vocabulary-sized intermediates is kept for the backward pass.
-    """
-    logits = logits.float()
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    norm = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            log_probs = logits - norm.unsqueeze(-1)
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logp, entropy
 
 
 def _clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:

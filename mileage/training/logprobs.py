@@ -1,0 +1,117 @@
+"""Per-token log-probs and entropies from vocabulary-sized logits, a block of rows at a time.
+
+Autograd over `log_softmax` keeps several fp32 copies of the [batch, tokens, vocabulary] logits
+alive (the upcast, the normaliser's exponentials, the gather's scattered gradient, the logged
+entropy's intermediates): 400 MB each for 64 x 32 tokens of SmolLM2's 49152-word vocabulary.
+On a CPU each fresh buffer of that size is paged in from the kernel, and these elementwise
+passes took 15 % of a bf16 training pass (docs/benchmarks.md). `TokenLogprobs` instead works on
+`BLOCK_ELEMENTS`-sized blocks of rows that stay in cache, and its backward recomputes the
+softmax of a block from the saved logits and the per-row normaliser.
+
+The forward values are the same bits as the unblocked arithmetic (every reduction runs along
+one row, and a row never straddles blocks). The gradient of the log-prob is too; the entropy
+bonus's gradient, written out by hand, matches autograd's to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# rows per block = BLOCK_ELEMENTS // vocabulary: 4 MiB of fp32 per working buffer
+BLOCK_ELEMENTS = 1 << 20
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """(log p(target), entropy) per row of `logits`; see `token_logprobs`."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, entropy_grad):
+        vocab = logits.shape[-1]
+        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1, 1)
+        rows = flat.shape[0]
+        norm = torch.empty(rows, dtype=_compute_dtype(logits), device=logits.device)
+        logp = torch.empty_like(norm)
+        entropy = torch.empty_like(norm) if with_entropy else None
+        for block in _blocks(rows, vocab):
+            x = _scaled_fp32(flat[block], temperature)
+            norm[block] = torch.logsumexp(x, dim=-1)
+            logp[block] = x.gather(-1, flat_targets[block]).squeeze(-1) - norm[block]
+            if with_entropy:
+                log_probs = x.sub_(norm[block].unsqueeze(-1))
+                entropy[block] = -(log_probs.exp() * log_probs).sum(-1)
+        keep_entropy = entropy if with_entropy and entropy_grad else None
+        ctx.save_for_backward(logits, targets, norm, keep_entropy)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        logp = logp.view(targets.shape)
+        if not with_entropy:
+            return logp, None
+        entropy = entropy.view(targets.shape)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, targets, norm, entropy = ctx.saved_tensors
+        vocab = logits.shape[-1]
+        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1, 1)
+        if grad_logp is not None:
+            grad_logp = grad_logp.reshape(-1, 1)
+        if entropy is None:
+            grad_entropy = None
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.reshape(-1, 1)
+        grad = torch.empty_like(flat)
+        for block in _blocks(flat.shape[0], vocab):
+            log_probs = _scaled_fp32(flat[block], ctx.temperature).sub_(norm[block].unsqueeze(-1))
+            probs = log_probs.exp()
+            if grad_entropy is not None:
+                # H = -sum_j p_j log p_j, so dH/dx_k = -p_k (log p_k + H)
+                g = log_probs.add_(entropy[block].unsqueeze(-1)).mul_(probs)
+                g.mul_(-grad_entropy[block])
+            else:
+                g = torch.zeros_like(probs)
+            if grad_logp is not None:
+                # log p_t = x_t - logsumexp(x): d/dx_k = [k == t] - p_k
+                g.sub_(probs * grad_logp[block])
+                g.scatter_add_(-1, flat_targets[block], grad_logp[block])
+            if ctx.temperature not in (0.0, 1.0):
+                g.div_(ctx.temperature)
+            grad[block] = g
+        return grad.view_as(logits), None, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) per position (and the entropy of each position's distribution), in fp32
+    (or the logits' dtype if wider).
+
+    `logits[:, i]` scores `targets[:, i]`; logits are divided by `temperature` (0 and 1 leave
+    them as they are). With `entropy_grad=False` the entropy is only logged: it carries no
+    gradient and nothing is kept for it.
+    """
+    return TokenLogprobs.apply(logits, targets, temperature, with_entropy, entropy_grad)
+
+
+def _blocks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, BLOCK_ELEMENTS // max(vocab, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    # fp32 at least: bf16 logits are normalised in fp32 (fp64 ones stay fp64, for gradcheck)
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _scaled_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    # a fresh copy even when the logits are fp32 already: callers modify it in place
+    x = logits.to(_compute_dtype(logits), copy=True)
+    if temperature not in (0.0, 1.0):
+        x.div_(temperature)
+    return x
