@@ -38,6 +38,23 @@ def test_bf16_attention_on_a_cpu_is_fp32_attention_rounded_once():
     assert q.grad.dtype == k.grad.dtype == torch.bfloat16
 
 
+def test_under_autocast_fp32_queries_are_not_rounded_to_bf16():
+    # Llama's rotary embedding leaves queries and keys fp32 under autocast; stock SDPA would
+    # round them (and the values) to bf16
+    gen = torch.Generator().manual_seed(2)
+    q, k, _ = _qkv(torch.float32, gen)
+    v = torch.randn(2, 2, 5, 16, generator=gen).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention._attention(_Module(), q, k, v, None, scaling=0.25)
+        stock = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    want = F.scaled_dot_product_attention(
+        q, k, v.float(), is_causal=True, scale=0.25, enable_gqa=True
+    )
+    assert out.dtype == stock.dtype == torch.bfloat16
+    assert torch.equal(out, want.transpose(1, 2).to(torch.bfloat16))
+    assert not torch.equal(out, stock.transpose(1, 2))
+
+
 def test_fp32_inputs_and_other_devices_take_stock_sdpa():
     gen = torch.Generator().manual_seed(1)
     q, k, v = _qkv(torch.float32, gen)
@@ -51,10 +68,10 @@ def test_fp32_inputs_and_other_devices_take_stock_sdpa():
 def test_set_precision_switches_attention_and_the_saved_config_does_not_carry_it(
     tiny_hf, tmp_path, monkeypatch
 ):
-    seen = []  # the dtypes our attention hands transformers' SDPA forward
+    seen = []  # what our attention hands transformers' SDPA forward
 
     def spy(module, q, k, v, mask, **kwargs):
-        seen.append(q.dtype)
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
         return stock_forward(module, q, k, v, mask, **kwargs)
 
     stock_forward = attention.sdpa_attention_forward
@@ -67,7 +84,8 @@ def test_set_precision_switches_attention_and_the_saved_config_does_not_carry_it
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
     with torch.no_grad(), autocast(model):
         model(input_ids=ids, attention_mask=mask)
-    assert seen == [torch.float32] * model.config.num_hidden_layers
+    fp32 = (torch.float32, torch.float32, torch.float32, False)
+    assert seen == [fp32] * model.config.num_hidden_layers
     model.save_pretrained(tmp_path)
     assert attention.NAME not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
     set_precision(model, FP32)

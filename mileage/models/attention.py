@@ -4,8 +4,8 @@ Under bf16 autocast the projections hand attention bf16 queries, keys and values
 torch's bf16 flash-attention backward is several times slower than its fp32 one at RL shapes
 (44 against 9 ms per SmolLM2 layer for 64 x 38 tokens on an AVX-512 EPYC), while the attention
 matmuls are a few percent of a layer's FLOPs. So on a CPU the scores, softmax and weighted sum
-run in fp32 from the (exactly upcast) bf16 inputs, and the output is rounded back to bf16 for
-the output projection. This is also more exact than bf16 attention, and the training forward,
+run in fp32 (from the queries and keys the rotary embedding already left in fp32, and the
+exactly upcast bf16 values), and the output is rounded to bf16 for the output projection. This is also more exact than bf16 attention, and the training forward,
 the engine's prefill and `FastDecoder`'s steps all compute it the same way.
 
 On a GPU, and for fp32 inputs, it is transformers' SDPA attention unchanged.
@@ -21,19 +21,33 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "mileage_sdpa"
 
 
-def upcast_on_cpu(query: torch.Tensor) -> bool:
-    """Whether attention over `query` runs in fp32 rather than in its own dtype."""
-    return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def upcast_on_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether attention over `tensors` (query, key, value) runs in fp32 rather than as SDPA
+    would run it: on a CPU, under reduced-precision autocast or with any reduced-precision
+    input. (Llama's rotary embedding already promotes queries and keys to fp32 under autocast;
+    stock SDPA would round them back to bf16.)"""
+    if tensors[0].device.type != "cpu":
+        return False
+    return torch.is_autocast_enabled("cpu") or any(t.dtype in _REDUCED for t in tensors)
+
+
+def output_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype stock SDPA would return: autocast's, else the query's."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    if not upcast_on_cpu(query):
+    if not upcast_on_cpu(query, key, value):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    dtype = output_dtype(query)
     with torch.autocast("cpu", enabled=False):
         out, weights = sdpa_attention_forward(
             module, query.float(), key.float(), value.float(), attention_mask, **kwargs
         )
-    return out.to(query.dtype), weights
+    return out.to(dtype), weights
 
 
 AttentionInterface.register(NAME, _attention)

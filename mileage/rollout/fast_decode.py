@@ -90,11 +90,12 @@ class FastDecoder:
         return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
     def _attend(self, q, k, v, mask, extra) -> torch.Tensor:
-        if not (self.mileage_attention and attention.upcast_on_cpu(q)):
+        if not (self.mileage_attention and attention.upcast_on_cpu(q, k, v)):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling, is_causal=False, **extra
             )
-        # mileage_sdpa's arithmetic: fp32 from the exactly upcast inputs, rounded back after
+        # mileage_sdpa's arithmetic: fp32 throughout, rounded to autocast's dtype after
+        dtype = attention.output_dtype(q)
         with torch.autocast("cpu", enabled=False):
             o = F.scaled_dot_product_attention(
                 q.float(),
@@ -106,7 +107,7 @@ class FastDecoder:
                 is_causal=False,
                 **extra,
             )
-        return o.to(q.dtype)
+        return o.to(dtype)
 
     def step(
         self,
