@@ -1525,7 +1525,7 @@ MUTANTS = [
         "cpu-attention-not-upcast",
         "mileage_sdpa runs bf16 attention on a CPU instead of fp32",
         "mileage/models/attention.py",
-        "    if not upcast_on_cpu(query):\n",
+        "    if not upcast_on_cpu(query, key, value):\n",
         "    if True:\n",
         ("tests/test_attention.py",),
     ),
