@@ -216,3 +216,50 @@ def test_freed_large_tensors_leave_the_resident_set_only_with_the_threshold_kept
         assert took == "True" and float(retained) < 16
     else:
         assert float(retained) > 100  # what the ranks kept before: the threshold matters
+
+
+KEPT_AFTER_FREE = """
+import os
+import torch
+
+def kept_mib():
+    # 128 MiB in 2 MiB tensors, freed: glibc's default maps each (its threshold starts at
+    # 128 KiB) and unmaps it when freed; with the heap settings they come from the heap, which
+    # keeps them for the next allocations
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = rss()
+    blocks = [torch.ones(2 << 20, dtype=torch.uint8) for _ in range(64)]
+    del blocks
+    return (rss() - before) / 2**20
+"""
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["freed-memory-kept", "glibc-default"])
+def test_one_process_keeps_freed_blocks_for_reuse(kept):
+    code = KEPT_AFTER_FREE + textwrap.dedent(f"""
+        from mileage.distributed.memory import keep_freed_memory
+        took = keep_freed_memory() if {kept} else None
+        print(took, kept_mib())
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    took, mib = done.stdout.split()
+    if kept:
+        assert took == "True" and float(mib) > 100, mib
+    else:
+        assert float(mib) < 16, mib  # so the test can tell the two apart
+
+
+def test_a_single_process_session_keeps_freed_memory(monkeypatch):
+    from mileage.distributed import env
+
+    calls = []
+    monkeypatch.setattr(env, "keep_freed_memory", lambda: calls.append("kept"))
+    monkeypatch.setattr(env, "world_size", lambda: 1)
+    with env.session():
+        pass
+    assert calls == ["kept"]
