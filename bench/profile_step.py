@@ -56,15 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from mileage.cli.main import build_parser
     from mileage.components import build_run, restore
-    from mileage.distributed.memory import keep_freed_memory
     from mileage.precision import precision_of
     from mileage.preflight import preflight
     from mileage.rollout.rollout import generate_samples
     from mileage.run_config import RunConfig
     from mileage.training.batch import pack_samples
 
-    # what `mileage train` sets up for one process (glibc's heap kept for reuse)
-    keep_freed_memory()
     total = args.warmup + 2 * args.rollouts
     ns = build_parser().parse_args(["train", *TINY_STEP, *train_flags, "--num-rollout", str(total)])
     cfg = RunConfig.from_args(ns)
