@@ -539,7 +539,7 @@ MUTANTS = [
         "mmap-threshold-never-set",
         "keep_mmap_threshold reports success without calling mallopt",
         "mileage/distributed/memory.py",
-        "    return _mallopt(M_MMAP_THRESHOLD, threshold)\n",
+        "    return mallopt(M_MMAP_THRESHOLD, threshold) == 1\n",
         "    return True\n",
         (
             f"{DIST_MEMORY}::test_freed_large_tensors_leave_the_resident_set_only_with_the_threshold_kept",
