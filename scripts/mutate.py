@@ -546,22 +546,6 @@ MUTANTS = [
         ),
     ),
     Mutant(
-        "one-process-heap-not-kept",
-        "a single-process run leaves glibc returning freed heap to the OS (pages faulted in again)",
-        "mileage/distributed/env.py",
-        "            keep_freed_memory()  # one process: speed over resident set (memory.py says why)\n",
-        "            pass\n",
-        (f"{DIST_MEMORY}::test_a_single_process_session_keeps_freed_memory",),
-    ),
-    Mutant(
-        "heap-settings-never-applied",
-        "keep_freed_memory reports success without calling mallopt",
-        "mileage/distributed/memory.py",
-        "    return all([_mallopt(param, value) for param, value in HEAP_SETTINGS])\n",
-        "    return True\n",
-        (f"{DIST_MEMORY}::test_one_process_keeps_freed_blocks_for_reuse",),
-    ),
-    Mutant(
         "dist-generation-not-resharded",
         "the parameters gathered for generation are never freed: every rank keeps them whole",
         "mileage/distributed/parallelize.py",
@@ -1559,9 +1543,7 @@ MUTANTS = [
         "mileage/rollout/fast_decode.py",
         "        self.mileage_attention = model.config._attn_implementation == attention.NAME\n",
         "        self.mileage_attention = False\n",
-        (
-            "tests/test_engine.py::test_the_fast_decoder_is_bit_identical_to_stepping_the_transformers_model",
-        ),
+        ("tests/test_engine.py::test_the_fast_decoder_is_bit_identical_to_stepping_the_transformers_model",),
     ),
     Mutant(
         "vllm-dtype-not-the-trainers",

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mileage.distributed.memory import keep_freed_memory, keep_mmap_threshold
+from mileage.distributed.memory import keep_mmap_threshold
 from mileage.errors import UserError
 from mileage.parent_death import die_with_parent
 
@@ -103,8 +103,6 @@ def backend_for(dev: torch.device) -> str:
 def session() -> Iterator[None]:
     """Join the process group torchrun describes (if it describes more than one process)."""
     if world_size() <= 1 or dist.is_initialized():
-        if world_size() <= 1:
-            keep_freed_memory()  # one process: speed over resident set (memory.py says why)
         yield
         return
     # torchrun starts each worker in a session of its own: without this, a SIGKILLed torchrun

@@ -1,5 +1,4 @@
-"""glibc's allocator: freed memory kept out of a rank's resident set under torchrun, and kept
-for reuse in a single process (a no-op where the C library has no `mallopt`).
+"""Keeping freed memory out of a rank's resident set (glibc's allocator; a no-op elsewhere).
 
 glibc serves a request above its mmap threshold (128 KiB at start) with a mapping of its own,
 returned to the OS when freed, and smaller ones from its heaps, which keep freed memory for
@@ -16,14 +15,6 @@ large tensors keep being mapped and unmapped. (`malloc_trim(0)` after loading
 and sharding did not lower the peak measurably: the memory that matters is freed and
 reallocated during training, not once at load.) `mallopt` is looked up at run time; where the C
 library lacks it (macOS, musl) nothing happens.
-
-A single process makes the opposite trade (`keep_freed_memory`). There, glibc's default also
-returns the top of its heap to the OS whenever more than twice the threshold is free, and every
-block it later hands out from that range is paged in again, zero-filled, page by page: a bf16
-SmolLM2 training pass spends a tenth of its time on that. Fixing the threshold at glibc's
-largest (32 MiB), never trimming below 2 GiB, and growing the heap 256 MiB at a time keeps
-freed blocks for reuse: the 8x8x32 bf16 pass took 0.90x as long (docs/benchmarks.md). The
-resident set then stays near the process's peak between phases instead of falling back.
 """
 
 from __future__ import annotations
@@ -32,19 +23,12 @@ import ctypes
 import ctypes.util
 import functools
 
-# mallopt's parameter numbers (malloc.h)
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 # above glibc's starting 128 KiB: every mapped block is zero-filled page by page when touched,
 # and at 128 KiB a SmolLM2 forward and backward took 1.5x as long as with glibc's default on the
 # shared VM (1 MiB: about as long), while most blocks that fragment (a layer's gathered
 # weights and gradients, the MLP's activations) are above 1 MiB
 MMAP_THRESHOLD = 1 << 20
-# one process: glibc's largest mmap threshold, trims only past 2 GiB free, 256 MiB growth steps
-HEAP_SETTINGS = (
-    (M_MMAP_THRESHOLD, 32 << 20),
-    (M_TRIM_THRESHOLD, (1 << 31) - 1),
-    (M_TOP_PAD, 256 << 20),
-)
 
 
 @functools.cache
@@ -55,22 +39,12 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _mallopt(param: int, value: int) -> bool:
+def keep_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Serve every allocation above `threshold` bytes with its own mapping from now on (and stop
+    glibc from raising the threshold); True where the C library took it."""
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return mallopt(param, value) == 1
-
-
-def keep_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Serve every allocation above `threshold` bytes with its own mapping from now on (and stop
-    glibc from raising the threshold); True where the C library took it."""
-    return _mallopt(M_MMAP_THRESHOLD, threshold)
-
-
-def keep_freed_memory() -> bool:
-    """One process: keep freed blocks in glibc's heap for reuse rather than returning them to
-    the OS (`HEAP_SETTINGS`); True where the C library took every setting."""
-    return all([_mallopt(param, value) for param, value in HEAP_SETTINGS])
+    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
