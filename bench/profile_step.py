@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     clean: dict[str, list[float]] = defaultdict(list)  # the same work without the profiler
     for rollout_id in range(args.warmup, args.warmup + args.rollouts):
         one_rollout(rollout_id, clean)
+    # the limit is measured before the profiler runs: its event records held ~20 GB on SmolLM2,
+    # and a limit measured after them came out at half the idle machine's
+    precision = precision_of(run.actor.model)
+    limits = matmul_limits(cfg.loop.num_threads)[precision]
     walls: dict[str, list[float]] = defaultdict(list)
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         for rollout_id in range(args.warmup + args.rollouts, total):
@@ -115,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         mean = sum(walls[phase]) / args.rollouts
         lines.append(f"{phase:<10} {mean:.4f}  ({100 * mean / step:.0f} %)")
     lines += [f"{'step':<10} {step:.4f}", ""]
-    precision = precision_of(run.actor.model)
-    limits = matmul_limits(cfg.loop.num_threads)[precision]
     train_s = sum(clean["train"]) / args.rollouts
     achieved = train_gflop / train_s
     lines += [
