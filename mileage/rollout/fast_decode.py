@@ -1,6 +1,7 @@
 """`FastDecoder`: one decode step of a Llama-family model (Llama, Mistral, Qwen2 with SDPA
-attention, or its `mileage_sdpa` form) against a preallocated KV cache, op for op the arithmetic of the `transformers`
-model, so its tokens and log-probs are bit-identical to stepping that model. It skips what
+attention, or its `mileage_sdpa` form) against a preallocated KV cache, op for op the
+arithmetic of the `transformers` model, so its tokens and log-probs are bit-identical to
+stepping that model. It skips what
 costs time there: regrowing the cache by concatenation every step, rebuilding masks and rotary
 tables, generic per-call Python. `LocalEngine` uses it when `FastDecoder.supports` the model.
 """
