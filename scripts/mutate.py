@@ -1543,7 +1543,9 @@ MUTANTS = [
         "mileage/rollout/fast_decode.py",
         "        self.mileage_attention = model.config._attn_implementation == attention.NAME\n",
         "        self.mileage_attention = False\n",
-        ("tests/test_engine.py::test_the_fast_decoder_is_bit_identical_to_stepping_the_transformers_model",),
+        (
+            "tests/test_engine.py::test_the_fast_decoder_is_bit_identical_to_stepping_the_transformers_model",
+        ),
     ),
     Mutant(
         "vllm-dtype-not-the-trainers",
