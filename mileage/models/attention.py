@@ -1,14 +1,15 @@
 """`mileage_sdpa`: transformers' SDPA attention, computed in fp32 when a bf16 model runs on a CPU.
 
-Under bf16 autocast the projections hand attention bf16 queries, keys and values. On a CPU,
-torch's bf16 flash-attention backward is several times slower than its fp32 one at RL shapes
-(44 against 9 ms per SmolLM2 layer for 64 x 38 tokens on an AVX-512 EPYC), while the attention
-matmuls are a few percent of a layer's FLOPs. So on a CPU the scores, softmax and weighted sum
-run in fp32 (from the queries and keys the rotary embedding already left in fp32, and the
-exactly upcast bf16 values), and the output is rounded to bf16 for the output projection. This is also more exact than bf16 attention, and the training forward,
-the engine's prefill and `FastDecoder`'s steps all compute it the same way.
+Under bf16 autocast, Llama's rotary embedding leaves queries and keys in fp32 and the values come
+out of their projection in bf16; stock SDPA rounds all three to bf16. On a CPU, torch's bf16
+flash-attention backward is several times slower than its fp32 one at RL shapes (36-50 against
+12-15 ms for one SmolLM2 layer at 64 x 38 tokens on an AVX-512 EPYC, measured alone), while
+attention is a few percent of a layer's FLOPs. So on a CPU the scores, softmax and weighted sum
+run in fp32 (the values upcast exactly), and the output is rounded to bf16 for the output
+projection. That is also more exact than bf16 attention. The training forward, the engine's
+prefill and `FastDecoder`'s steps all compute it the same way.
 
-On a GPU, and for fp32 inputs, it is transformers' SDPA attention unchanged.
+On a GPU, and for fp32 models, it is transformers' SDPA attention unchanged.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "mileage_sdpa"
-
-
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
