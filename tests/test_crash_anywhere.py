@@ -144,6 +144,24 @@ def test_async_kills_resume_to_the_uninterrupted_tensors_and_metrics(async_chain
     assert_recovered(outcomes, len(ASYNC_CHAIN), diffs)
 
 
+def test_random_kills_count_from_the_plan_line_over_what_is_left():
+    # start-up took 3 s, then 4 rollouts of 1 s: the delays count from each launch's own plan
+    # line (CI once saw start-up take longer than the whole reference's training span)
+    lines = [(3.0, "plan: fresh start at rollout 0 of 4 (rollouts mode)\n")]
+    lines += [(3.0 + r, f"rollout {r} | loss 0.1\n") for r in range(1, 5)]
+    stdout = "".join(line for _, line in lines)
+    reference = Launch(None, 0, 8.0, stdout, "", stdout_times=lines)
+    kills = aimed_random_kills(reference, 3, seed=1)
+    first = kills([])
+    assert first.after_line == "plan:" and 0.0 <= first.delay <= 0.75 * 4.0
+    assert first.label == f"'plan:'+{first.delay:.2f}s"
+    # after a kill that left rollout 2 committed, one rollout is left to aim at
+    left_one = Outcome(first, reference, rollout=3, tracker=2)
+    assert all(kills([left_one]).delay <= 0.75 for _ in range(20))
+    with pytest.raises(ValueError, match="after_line"):
+        Kill(point="rollout_start", after_line="plan:")
+
+
 def test_random_time_kills_land_mid_run_and_match_uninterrupted_run(reference, tmp_path):
     save = tmp_path / "run"
     reference_save, reference_launch = reference

@@ -5,9 +5,10 @@ the checkpoints hold the same tensors (bit for bit) and the metrics log the same
 records (wall-clock keys aside) as a run that was never interrupted.
 
 A `Kill` is either a named fault point (`MILEAGE_KILL_AT`, see `mileage.faults`: the process
-SIGKILLs itself the hit-th time it reaches the point) or a delay after launch, after which the
-harness SIGKILLs the process from outside. `run_with_kills` spends one kill per launch, reruns
-the plain command until it exits 0, and returns one `Outcome` per kill;
+SIGKILLs itself the hit-th time it reaches the point) or a delay, after the launch or after a
+stdout line, after which the harness SIGKILLs the process from outside. `run_with_kills` spends
+one kill per launch, reruns the plain command until it exits 0, and returns one `Outcome` per
+kill;
 `mileage.testing.compare.compare_runs` lists every difference between two save directories.
 
 Every launch is `python -m mileage train ARGS --save D --load D --save-interval 1`, or with
@@ -51,10 +52,12 @@ def aimed_random_kills(
     """Kills at random instants inside the training span of what is left of the run.
 
     The span is measured on the uninterrupted `reference` launch: from its plan line to its
-    last rollout line, spread evenly over its rollouts. Each kill is drawn, by Random(seed),
-    uniformly between the plan line and the end of the rollouts the run has left after the
-    previous kills, so it lands while the run trains rather than before it starts or after
-    it has finished. For `run_with_kills`.
+    last rollout line, spread evenly over its rollouts. Each kill's delay is drawn, by
+    Random(seed), uniformly over the first three quarters of the time that the rollouts the run
+    has left after the previous kills took the reference. It counts from the killed launch's
+    own plan line, so it lands while the run trains rather than before it starts (start-up on
+    a loaded machine can take seconds longer than it did for the reference) or after it has
+    finished. For `run_with_kills`.
     """
     planned = reference.first_line_time("plan:")
     last = reference.last_line_time("rollout ")
@@ -70,7 +73,9 @@ def aimed_random_kills(
             return None
         tracker = next((o.tracker for o in reversed(outcomes) if o.launch is not None), None)
         left = num_rollout - (0 if tracker is None else tracker + 1)
-        return Kill.after(round(planned + rng.uniform(0.0, left * per_rollout), 2))
+        # three quarters of the span: a launch that runs faster than the reference did (it
+        # ran beside other tests) still has a rollout left when the kill comes
+        return Kill.after(round(rng.uniform(0.0, 0.75 * left * per_rollout), 2), line="plan:")
 
     return next_kill
 
@@ -133,10 +138,14 @@ def launch(
     )
     stdout_times: list[tuple[float, str]] = []
     stderr_parts: list[str] = []
+    anchor = kill.after_line if outside else None
+    anchored = threading.Event()
 
     def read_stdout() -> None:
         for line in proc.stdout:
             stdout_times.append((time.monotonic() - started, line))
+            if anchor is not None and line.startswith(anchor):
+                anchored.set()
 
     readers = [
         threading.Thread(target=read_stdout, daemon=True),
@@ -146,6 +155,8 @@ def launch(
         reader.start()
     timed_out = False
     try:
+        if anchor is not None:
+            _wait_for_line(proc, anchored, started + timeout)
         proc.wait(timeout=kill.delay if outside else timeout)
     except subprocess.TimeoutExpired:
         timed_out = not outside
@@ -165,6 +176,12 @@ def launch(
         timed_out,
         stdout_times,
     )
+
+
+def _wait_for_line(proc: subprocess.Popen, seen: threading.Event, deadline: float) -> None:
+    """Until the launch prints the anchor line, exits, or `deadline` (monotonic) passes."""
+    while not seen.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        seen.wait(timeout=0.05)
 
 
 def run_uninterrupted(

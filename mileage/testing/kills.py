@@ -104,12 +104,18 @@ _SIGKILLED = -signal.SIGKILL
 
 @dataclass(frozen=True)
 class Kill:
-    """Where one launch is killed: a named fault point (+ hit) or a delay after launch."""
+    """Where one launch is killed: a named fault point (+ hit) or a delay after launch.
+
+    A delay counts from the launch, or, with `after_line`, from the first stdout line that
+    starts with it: on a loaded machine start-up time varies by seconds, so a delay aimed at
+    training counts from the plan line rather than from the process start.
+    """
 
     point: str | None = None
     hit: int = 1
     delay: float | None = None
     rank: int = 0  # under torchrun: the rank that dies at the point
+    after_line: str | None = None
 
     def __post_init__(self) -> None:
         if (self.point is None) == (self.delay is None):
@@ -121,18 +127,23 @@ class Kill:
             raise ValueError(f"hit must be >= 1, got {self.hit}")
         if self.delay is not None and self.delay < 0:
             raise ValueError(f"delay must be >= 0, got {self.delay}")
+        if self.after_line is not None and self.delay is None:
+            raise ValueError("after_line anchors a delay; a point kill has none")
 
     @classmethod
     def at(cls, point: str, hit: int = 1, rank: int = 0) -> Kill:
         return cls(point=point, hit=hit, rank=rank)
 
     @classmethod
-    def after(cls, seconds: float) -> Kill:
-        return cls(delay=seconds)
+    def after(cls, seconds: float, line: str | None = None) -> Kill:
+        return cls(delay=seconds, after_line=line)
 
     @property
     def label(self) -> str:
-        return f"{self.point}:{self.hit}" if self.point else f"t+{self.delay:.2f}s"
+        if self.point:
+            return f"{self.point}:{self.hit}"
+        anchor = f"'{self.after_line.strip()}'" if self.after_line else "t"
+        return f"{anchor}+{self.delay:.2f}s"
 
     def env(self) -> dict[str, str]:
         if not self.point:
