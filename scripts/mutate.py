@@ -1548,6 +1548,18 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "generation-in-inference-mode",
+        "the engine generates under inference_mode, where autocast re-rounds every weight at "
+        "every decode step",
+        "mileage/rollout/engine.py",
+        "        with torch.no_grad(), autocast(self.model):\n",
+        "        with torch.inference_mode(), autocast(self.model):\n",
+        (
+            "tests/test_engine.py::"
+            "test_bf16_generation_rounds_each_weight_once_per_batch_not_per_token",
+        ),
+    ),
+    Mutant(
         "vllm-dtype-not-the-trainers",
         "a launched vLLM gets --dtype float32 whatever the trainer's precision",
         "mileage/rollout/engines/factory.py",

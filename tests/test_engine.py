@@ -48,6 +48,47 @@ def test_the_fast_decoder_is_bit_identical_to_stepping_the_transformers_model(
     assert [c.logprobs for c in fast] == [c.logprobs for c in slow]  # exactly, not approximately
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_generation_rounds_each_weight_once_per_batch_not_per_token(
+    tiny_hf, monkeypatch, fast
+):
+    """autocast caches its fp32 -> bf16 weight casts only outside inference mode; inside it
+    every decode step copied every weight again (39 % of SmolLM2's bf16 generation)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mileage.rollout.fast_decode import FastDecoder
+
+    if not fast:
+        monkeypatch.setattr(FastDecoder, "supports", staticmethod(lambda *a: False))
+    engine, model = engine_for(tiny_hf)
+    set_precision(model, BF16)
+    weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    casts: list[tuple[int, ...]] = []
+
+    class CountWeightCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            source = args[0] if args else None
+            # autocast casts through _to_copy, or (in inference mode) through to.dtype
+            target = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+            if (
+                func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
+                and target == torch.bfloat16
+                and isinstance(source, torch.Tensor)
+                and source.dtype == torch.float32
+                and tuple(source.shape) in weight_shapes
+            ):
+                casts.append(tuple(source.shape))
+            return func(*args, **kwargs)
+
+    params = SamplingParams(max_new_tokens=10)
+    with CountWeightCasts():
+        out = engine.generate(PROMPTS, params, torch.Generator().manual_seed(1))
+    assert max(len(c.response_ids) for c in out) > 3  # several decode steps ran
+    matrices = sum(1 for p in model.parameters() if p.dim() == 2)
+    assert 0 < len(casts) <= matrices, f"{len(casts)} weight casts for {matrices} matrices"
+
+
 def test_rows_stop_at_eos_and_respect_the_length_limit(tiny_hf):
     engine, _ = engine_for(tiny_hf)
     out = engine.generate(
