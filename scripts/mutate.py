@@ -1469,8 +1469,8 @@ MUTANTS = [
         "generation-in-fp32",
         "the in-process engine generates in fp32 while the trainer computes in bf16",
         "mileage/rollout/engine.py",
-        "        with autocast(self.model):\n",
-        '        with torch.autocast("cpu", enabled=False):\n',
+        "        with torch.no_grad(), autocast(self.model):\n",
+        '        with torch.no_grad(), torch.autocast("cpu", enabled=False):\n',
         (f"{PRECISION}::test_the_local_engine_generates_in_the_models_precision",),
     ),
     Mutant(
