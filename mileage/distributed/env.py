@@ -116,8 +116,15 @@ def session() -> Iterator[None]:
     dist.init_process_group(backend_for(dev), timeout=COLLECTIVE_TIMEOUT)
     try:
         yield
-    finally:
+    except BaseException:
+        # a peer may be dead or stuck: no collective on the way out, torchrun stops the rest
         dist.destroy_process_group()
+        raise
+    # A finished rank waits for its peers before tearing its connections down: a gloo rank
+    # whose peer closed while its own last collective was still draining aborted at exit
+    # ("terminate called without an active exception"; seen once in a 2-rank probe).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def barrier() -> None:
