@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument(
         "--demo", action="store_true", help="the README's default run instead of the recipe"
     )
+    ap.add_argument("--seed", type=int, help="both arms' --seed (default: mileage's)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,6 +81,8 @@ def main() -> None:
         args.rollouts = 150 if args.rollouts == 20 else args.rollouts
     else:
         base = recipe_flags(args.lr, args.temperature)
+    if args.seed is not None:  # other trajectories: one seed's score can be far off the mean
+        base += ["--seed", str(args.seed)]
     auto_is = resolved_precision(ARMS["auto"])
     print(f"--precision auto is {auto_is} on this host", flush=True)
     if args.eval_only:
@@ -96,7 +99,7 @@ def main() -> None:
         )
         cost = {arm.name: timing(arm.dir, arm.wall, arm.cpu) for arm in arms}
         summary = {"run": "demo" if args.demo else "recipe", "auto_resolves_to": auto_is,
-                   "rollouts": args.rollouts, "cost": cost,
+                   "rollouts": args.rollouts, "seed": args.seed, "cost": cost,
                    "fp32_over_auto": gains(cost["fp32"], cost["auto"])}  # fmt: skip
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     summary["held_out"] = evaluate(out, base, args.rollouts)
