@@ -1560,6 +1560,42 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "old-from-pass-over-several-steps",
+        "the training forward stands in for the old log-probs even when the rollout takes "
+        "several optimizer steps (the later steps' ratio is then always 1)",
+        "mileage/training/mismatch.py",
+        "        algo.batch_sizes(samples)[0] == samples\n",
+        "        algo.batch_sizes(samples)[0] > 0\n",
+        (
+            "tests/test_precision.py::"
+            "test_old_log_probs_from_the_pass_only_where_nothing_needs_them_before_it",
+            "tests/test_precision.py::test_ppo_ratio_is_exactly_one_at_the_first_step",
+        ),
+    ),
+    Mutant(
+        "old-from-pass-despite-reward-kl",
+        "the old log-probs come from the training forward although the reward's KL penalty "
+        "needed them before it",
+        "mileage/training/mismatch.py",
+        "        and not (actor.reference is not None and algo.kl_coef)\n",
+        "",
+        (
+            "tests/test_precision.py::"
+            "test_old_log_probs_from_the_pass_only_where_nothing_needs_them_before_it",
+        ),
+    ),
+    Mutant(
+        "old-from-pass-keeps-engine-logprobs",
+        "with old log-probs from the pass, the engine's stay the PPO ratio's denominator",
+        "mileage/training/actor.py",
+        "    part.old_logprobs = logp.detach() * part.loss_mask\n",
+        "    part.old_logprobs = engine\n",
+        (
+            "tests/test_precision.py::test_ppo_ratio_is_exactly_one_at_the_first_step",
+            "tests/test_mixed_precision_logprobs.py",
+        ),
+    ),
+    Mutant(
         "vllm-dtype-not-the-trainers",
         "a launched vLLM gets --dtype float32 whatever the trainer's precision",
         "mileage/rollout/engines/factory.py",

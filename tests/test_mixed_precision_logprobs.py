@@ -1,9 +1,9 @@
 """Old log-probs in the loss's precision (finding 9 of issue 16).
 
 Under torchrun with `--fsdp-mixed-precision bf16` the generation copy decodes in fp32 while the
-loss computes in bf16. The engine is then not `in_process`, so the trainer recomputes the old
-log-probs with the model the loss uses and logs the difference; the PPO ratio of the first step
-is then exactly 1. Here on the CPU without FSDP: the policy is a bf16 copy of the fp32 model the
+loss computes in bf16. The engine is then not `in_process`, so the old log-probs come from the model
+the loss uses (here from the loss's own forward: the rollout is one optimizer step) and the
+difference is logged; the PPO ratio of the first step is then exactly 1. Here on the CPU without FSDP: the policy is a bf16 copy of the fp32 model the
 engine decodes with, which is the arithmetic the two sides differ by.
 """
 
@@ -49,22 +49,26 @@ def first_step(builtin_model, loss_precision_matches: bool):
 @pytest.mark.parametrize("matches", [False, True], ids=["bf16-loss", "same-precision"])
 def test_old_logprobs_come_from_the_losss_precision(builtin_model, matches):
     mismatch, batch, actor = first_step(builtin_model, loss_precision_matches=matches)
+    engine_logp = batch.old_logprobs.clone()
     mask = batch.loss_mask.bool()
-    # what the loss computes at the first step, before any update (train mode, with grad)
-    actor.model.train()
-    logp, _ = sequence_logprobs(actor.model, batch, actor.temperature)
-    actor.model.eval()
+    # what the loss computes at the first step, before any update
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(actor.model, batch, actor.temperature)
     first = batch.target_offset
     loss_logp = torch.zeros_like(batch.old_logprobs)
-    loss_logp[:, first : first + logp.shape[1]] = logp.detach()
-    ratio = torch.exp(loss_logp - batch.old_logprobs)[mask]
+    loss_logp[:, first : first + logp.shape[1]] = logp
+    result = actor.train_rollout(batch)
     if not matches:
-        # recomputed in bf16: the ratio is exactly 1 and the fp32/bf16 gap is logged
-        assert torch.equal(ratio, torch.ones_like(ratio))
-        assert mismatch["logprob_abs_diff"] > 1e-4
-        assert actor.train_rollout(batch)["ppo_kl"] == 0.0
+        # the rollout is one optimizer step: the bf16 training forward gives the old log-probs
+        # (no recompute of its own), so the ratio is exactly 1 and the fp32/bf16 gap is logged
+        assert mismatch == {} and batch.old_from_pass
+        assert result["ppo_kl"] == 0.0 and result["ratio"] == 1.0
+        gap = ((loss_logp - engine_logp).abs() * batch.loss_mask).sum() / batch.loss_mask.sum()
+        assert result["logprob_abs_diff"] == pytest.approx(float(gap), rel=1e-4)
+        assert result["logprob_abs_diff"] > 1e-4
     else:
         # the fp32 engine's log-probs taken as the bf16 loss's old policy: not 1
-        assert mismatch == {}
+        ratio = torch.exp(loss_logp - engine_logp)[mask]
+        assert mismatch == {} and not batch.old_from_pass
         assert not torch.equal(ratio, torch.ones_like(ratio))
-        assert actor.train_rollout(batch)["ppo_kl"] != 0.0
+        assert result["ppo_kl"] != 0.0

@@ -18,7 +18,13 @@ from mileage.rollout.engine import LocalEngine, SamplingParams
 from mileage.rollout.rollout import Sample
 from mileage.training.actor import Actor, AlgoConfig, sequence_logprobs
 from mileage.training.batch import pack_samples
-from mileage.training.mismatch import MismatchConfig, apply_mismatch, needs_recompute
+from mileage.training.mismatch import (
+    MismatchConfig,
+    apply_mismatch,
+    needs_recompute,
+    old_from_first_pass,
+    trainer_logprobs,
+)
 from mileage.training.optimizer import LRSchedule
 
 CPU = torch.device("cpu")
@@ -111,26 +117,63 @@ def test_autocast_keeps_master_weights_and_gradients_fp32(tiny_hf):
     assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
 
 
-@pytest.mark.parametrize("mode", [FP32, BF16])
-def test_ppo_ratio_is_exactly_one_at_the_first_step(tiny_hf, mode):
-    """The old log-probs of the PPO ratio come from the loss's own precision: in bf16 the
-    trainer recomputes them (in-process engine), so the first step's ppo_kl is exactly 0."""
+def _first_rollout(tiny_hf, mode: str, global_batch: int):
     model = set_precision(AutoModelForCausalLM.from_pretrained(tiny_hf).eval(), mode)
     engine = LocalEngine(model, pad_id=0, eos_id=2)
     batch = pack_samples(_samples(engine, model), pad_id=0)
-    algo = AlgoConfig(micro_batch_size=4)
+    algo = AlgoConfig(global_batch_size=global_batch, micro_batch_size=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step sees the same weights
     actor = Actor(model, opt, LRSchedule(0.0, 0, 0, "constant", 1), algo, 0.8, 2, clip_grad=0)
+    return engine, batch, actor
+
+
+@pytest.mark.parametrize("steps", [1, 2], ids=["one-step", "two-steps"])
+@pytest.mark.parametrize("mode", [FP32, BF16])
+def test_ppo_ratio_is_exactly_one_at_the_first_step(tiny_hf, mode, steps):
+    """The old log-probs of the PPO ratio come from the loss's own precision: in bf16 the
+    trainer recomputes them (in-process engine), so the first step's ppo_kl is exactly 0. With
+    one optimizer step per rollout the training forward itself gives them: the policy runs
+    once per micro-batch, not twice, and the same mismatch is logged."""
+    engine, batch, actor = _first_rollout(tiny_hf, mode, global_batch=8 // steps)
     cfg = MismatchConfig()
-    assert needs_recompute(cfg, engine, precision_of(model)) == (mode == BF16)
-    stats = apply_mismatch(cfg, engine, actor, batch)
-    result = actor.train_rollout(batch)
+    assert needs_recompute(cfg, engine, precision_of(actor.model)) == (mode == BF16)
+    with torch.no_grad():  # what a recompute gives, for the logged mismatch
+        recomputed = trainer_logprobs(actor, batch)
+    mask = batch.loss_mask
+    expected_diff = float(((recomputed - batch.old_logprobs).abs() * mask).sum() / mask.sum())
+    forwards = []
+    actor.model.register_forward_hook(lambda *_: forwards.append(1))
+    stats = {**apply_mismatch(cfg, engine, actor, batch), **actor.train_rollout(batch)}
     if mode == BF16:
-        assert "logprob_abs_diff" in stats  # the mismatch metric is logged in bf16
-        assert result["ppo_kl"] == 0.0 and result["ratio"] == 1.0
-        assert result["clipfrac"] == 0.0
+        assert batch.old_from_pass == (steps == 1)
+        assert len(forwards) == 2 * (1 if steps == 1 else 2)  # 2 micro-batches (+ recompute)
+        assert stats["logprob_abs_diff"] == pytest.approx(expected_diff, rel=1e-6)
+        assert expected_diff > 0  # the cached bf16 decode rounds otherwise than the forward
+        assert stats["ppo_kl"] == 0.0 and stats["ratio"] == 1.0
+        assert stats["clipfrac"] == 0.0
     else:  # fp32: cached decoding and the training forward agree to float rounding
-        assert abs(result["ppo_kl"]) < 1e-5
+        assert not batch.old_from_pass and len(forwards) == 2
+        assert "logprob_abs_diff" not in stats
+        assert abs(stats["ppo_kl"]) < 1e-5
+
+
+def test_old_log_probs_from_the_pass_only_where_nothing_needs_them_before_it(tiny_hf):
+    """A KL penalty in the reward, the TIS weights, the mismatch metrics and dropout need the
+    old log-probs before the training forward (or without its dropout): those still recompute."""
+    _, batch, actor = _first_rollout(tiny_hf, BF16, global_batch=8)
+    n = len(batch)
+    assert old_from_first_pass(MismatchConfig(), actor, n)
+    for flag in ("use_tis", "get_mismatch_metrics", "use_rollout_logprobs"):
+        assert not old_from_first_pass(MismatchConfig(**{flag: True}), actor, n), flag
+    actor.algo.global_batch_size = 4
+    assert not old_from_first_pass(MismatchConfig(), actor, n)
+    actor.algo.global_batch_size = 8
+    actor.reference, actor.algo.kl_coef = actor.model, 0.1
+    assert not old_from_first_pass(MismatchConfig(), actor, n)
+    actor.algo.kl_coef = 0.0  # a reference for the KL loss only: the reward is left alone
+    assert old_from_first_pass(MismatchConfig(), actor, n)
+    actor.dropout_seed = 7
+    assert not old_from_first_pass(MismatchConfig(), actor, n)
 
 
 # --------------------------------------------------------- checkpoints and resume (built-in)

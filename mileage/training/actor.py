@@ -53,6 +53,19 @@ def sequence_logprobs(
     return token_logprobs(logits, batch.targets, temperature, with_entropy, entropy_grad)
 
 
+# sums over micro-batches and ranks behind the logged logprob_abs_diff (`_take_old_from_pass`)
+_ABS_DIFF, _TOKENS = "_logprob_abs_diff_sum", "_logprob_tokens"
+
+
+def _take_old_from_pass(part: TrainBatch, logp: torch.Tensor) -> dict[str, float]:
+    """Make this forward's log-probs the old policy's (`TrainBatch.old_from_pass`), as a
+    recompute would have given them; returns the sums behind the engine/trainer mismatch."""
+    engine = part.old_logprobs
+    part.old_logprobs = logp.detach() * part.loss_mask
+    diff = ((part.old_logprobs - engine).abs() * part.loss_mask).sum()
+    return {_ABS_DIFF: float(diff), _TOKENS: float(part.loss_mask.sum())}
+
+
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -172,7 +185,10 @@ class Actor:
             lrs.append(lr)
         self.model.eval()
         totals = env.sum_over_ranks(totals)
+        abs_diff, tokens = totals.pop(_ABS_DIFF, None), totals.pop(_TOKENS, None)
         result = {key: value / len(grad_norms) for key, value in totals.items()}
+        if abs_diff is not None:  # the same token mean as a recompute logs
+            result["logprob_abs_diff"] = abs_diff / max(tokens, 1.0)
         result.update(critic_stats)
         result.update(
             grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], lrs=lrs, global_step=self.step
@@ -235,7 +251,9 @@ class Actor:
             with_entropy=True,
             entropy_grad=self.algo.entropy_coef != 0.0,
         )
+        taken = _take_old_from_pass(part, logp) if part.old_from_pass else {}
         loss, stats = self._main_loss(part, logp, reduce)
+        stats.update(taken)
         entropy_loss = reduce(entropy)
         if self.algo.entropy_coef:
             loss = loss - self.algo.entropy_coef * entropy_loss

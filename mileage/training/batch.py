@@ -29,6 +29,9 @@ class TrainBatch:
     values: torch.Tensor | None = None  # the critic's values before this rollout's update
     # per-token tensors start at this target column (input_ids and attention_mask do not)
     target_offset: int = 0
+    # the old policy is the trainer's weights now and the rollout takes one optimizer step:
+    # its forward computes the old log-probs (`old_logprobs` holds the engine's until then)
+    old_from_pass: bool = False
 
     @property
     def targets(self) -> torch.Tensor:
@@ -69,6 +72,7 @@ class TrainBatch:
             returns=cut(self.returns, lead, width - 1),
             values=cut(self.values, lead, width - 1),
             target_offset=lead,
+            old_from_pass=self.old_from_pass,
         )
 
 

@@ -9,7 +9,9 @@ Which log-probs are the "old policy" of the PPO ratio (miles' flags and meanings
 - by default the trainer's recomputed ones when they were recomputed, else the engine's (the
   in-process engine's log-probs come from the trainer's own module: nothing to recompute in
   fp32, where cached decoding and the training forward agree to ~1e-6; in bf16 they differ by
-  bf16's rounding, so the trainer recomputes them and the PPO ratio starts at exactly 1);
+  bf16's rounding, so the trainer recomputes them and the PPO ratio starts at exactly 1).
+  When the rollout is a single optimizer step, the "recompute" is the training forward itself
+  (`old_from_first_pass`): no forward of its own, and `logprob_abs_diff` is still logged;
 - `--use-rollout-logprobs`: always the engine's;
 - `--use-tis`: truncated importance sampling. Each token's policy-gradient term is multiplied
   by clamp(exp(trainer - engine), --tis-clip-low, --tis-clip), a constant weight that corrects
@@ -103,6 +105,25 @@ def needs_recompute(cfg: MismatchConfig, engine, precision: str = "fp32") -> boo
     )
 
 
+def old_from_first_pass(cfg: MismatchConfig, actor: Actor, samples: int) -> bool:
+    """Whether the trainer's old log-probs can come from its training forward itself rather
+    than from a forward of their own (TRL does the same when it takes one step per generation).
+
+    A recompute evaluates the trainer's weights now. When the rollout is one optimizer step,
+    those weights are the ones the step's own forward runs with, so the values are the same
+    policy's (the PPO ratio is exactly 1). Not when something needs them before that forward:
+    the TIS weights and mismatch metrics, a KL penalty in the reward, or the engine's log-probs
+    kept as the old policy; nor with dropout, which a recompute (in eval mode) leaves out."""
+    if cfg.use_tis or cfg.get_mismatch_metrics or cfg.use_rollout_logprobs:
+        return False
+    algo = actor.algo
+    return (
+        algo.batch_sizes(samples)[0] == samples
+        and not (actor.reference is not None and algo.kl_coef)
+        and actor.dropout_seed is None
+    )
+
+
 def load_tis_function(cfg: MismatchConfig) -> TisFunction | None:
     """The user's --custom-tis-function-path (None: the built-in chosen by level and mode)."""
     path = cfg.custom_tis_function_path
@@ -149,6 +170,9 @@ def apply_mismatch(
     `recomputed`: the trainer's log-probs, already computed by the caller (train-async's
     `--keep-old-actor`, with the weights that generated each row); they are then always used."""
     if recomputed is None and not needs_recompute(cfg, engine, precision_of(actor.model)):
+        return {}
+    if recomputed is None and old_from_first_pass(cfg, actor, len(batch)):
+        batch.old_from_pass = True  # the actor logs logprob_abs_diff from that pass
         return {}
     mask = batch.loss_mask
     tokens = mask.sum().clamp(min=1.0)
