@@ -203,7 +203,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         refuse_adapter_without_lora(plan.weights_from, plan.weights_format)
         model = _load(plan.weights_from, plan.weights_format, config_dir)
     # every copy made from here on (critic body, generation copy) inherits the precision
-    set_precision(model, plan.precision)
+    set_precision(model, plan.precision, cfg.precision.fp32_lm_head)
     if cfg.algo.needs_reference and lora is None:
         reference = _load(ref_path, ref_fmt, config_dir).requires_grad_(False)
         set_precision(reference, plan.precision)

@@ -8,7 +8,8 @@ fp32 there. `--bf16` is miles'/Megatron's switch and means `--precision bf16`.
 In bf16 the parameters, gradients and optimizer state stay fp32 (master weights); each forward
 (and so its backward) and each generation step runs under `torch.autocast` in bf16, which rounds
 the matmul inputs to bf16 and keeps reductions such as log-softmax and RMSNorm in fp32 (on a
-CPU, attention too: `mileage.models.attention`). A model carries its precision as an attribute
+CPU, attention too: `mileage.models.attention`), and the engine samples from fp32 logits
+(`mileage.models.lm_head`; `--no-fp32-lm-head` rounds them to bf16). A model carries its precision as an attribute
 (`set_precision`), so every code path that runs it (training, reference, critic, the in-process
 engine, `mileage serve`) enters the same context through `autocast(model)`, in any thread, and
 a deep copy keeps it.
@@ -41,6 +42,12 @@ class PrecisionConfig:
         choices=CHOICES,
     )
     bf16: bool = option(False, "miles/Megatron's switch: the same as --precision bf16")
+    fp32_lm_head: bool = option(
+        True,
+        "in bf16, sample from logits rounded to bf16 instead of computing the engine's LM head "
+        "in fp32 (faster generation; the demo's accuracy then has a bad tail across seeds)",
+        flag="--no-fp32-lm-head",
+    )
 
     def requested(self) -> str:
         if self.bf16 and self.precision == FP32:
@@ -82,15 +89,20 @@ def resolve(requested: str, device: torch.device) -> tuple[str, str]:
     return chosen, f"auto: {why}"
 
 
-def set_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+def set_precision(
+    model: torch.nn.Module, precision: str, fp32_lm_head: bool = False
+) -> torch.nn.Module:
     """Mark `model` to run its forwards (and generation) in `precision`; in bf16 a transformers
-    model's SDPA attention becomes `mileage_sdpa` (fp32 attention on a CPU)."""
+    model's SDPA attention becomes `mileage_sdpa` (fp32 attention on a CPU) and, with
+    `fp32_lm_head`, generation samples from fp32 logits (`mileage.models.lm_head`)."""
     if precision not in (FP32, BF16):
         raise ValueError(f"not a resolved precision: {precision!r}")
     from mileage.models.attention import use_mileage_attention
+    from mileage.models.lm_head import use_fp32_logits
 
     setattr(model, _ATTR, precision)
     use_mileage_attention(model, precision == BF16)
+    use_fp32_logits(model, precision == BF16 and fp32_lm_head)
     return model
 
 
@@ -104,6 +116,18 @@ def autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     device = next(model.parameters()).device
     return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def generation_autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The context the engine generates in: `autocast(model)`, and fp32 logits where the
+    model's LM head was switched to them (`set_precision(..., fp32_lm_head=True)`)."""
+    from mileage.models.lm_head import Fp32LogitsLinear, fp32_logits
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(autocast(model))
+    if any(isinstance(m, Fp32LogitsLinear) for m in model.modules()):
+        stack.enter_context(fp32_logits())
+    return stack
 
 
 def torch_dtype_name(precision: str) -> str:

@@ -18,7 +18,7 @@ from mileage.models.hf import (
     require_chat_template,
 )
 from mileage.models.tiny import builtin_config, builtin_model_dir, builtin_tokenizer
-from mileage.precision import resolve
+from mileage.precision import BF16, resolve
 from mileage.rollout.agent import UserFunctions, load_user_functions
 from mileage.rollout.data import EvalSet, load_eval_sets, load_train_prompts, task_reward
 from mileage.rollout.dynamic import BufferFilter, GroupFilter, load_function, load_group_filter
@@ -125,6 +125,9 @@ def preflight(cfg: RunConfig) -> Preflight:
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     ppo = cfg.algo.advantage_estimator == "ppo"
     precision, precision_note = resolve(cfg.precision.requested(), env.device())
+    if precision == BF16 and local:
+        logits = "fp32" if cfg.precision.fp32_lm_head else "bf16 (--no-fp32-lm-head)"
+        precision_note += f"; the engine samples from {logits} logits"
     flags = replace(
         flags,
         world_size=env.world_size(),

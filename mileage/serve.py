@@ -61,15 +61,21 @@ DTYPES = {"auto": "auto", "float32": FP32, "bfloat16": BF16}
 
 
 class EngineServer:
-    def __init__(self, hf_checkpoint: str, precision: str = FP32, enable_lora: bool = False):
+    def __init__(
+        self,
+        hf_checkpoint: str,
+        precision: str = FP32,
+        enable_lora: bool = False,
+        fp32_lm_head: bool = True,
+    ):
         self.lock = threading.Lock()
         # every model it serves (the first and each reload) computes in this precision
-        self.precision = precision
+        self.precision, self.fp32_lm_head = precision, fp32_lm_head
         self.model_path = str(hf_checkpoint)
         self.tokenizer = load_tokenizer(hf_checkpoint)
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        model = set_precision(load_causal_lm(hf_checkpoint), precision)
+        model = set_precision(load_causal_lm(hf_checkpoint), precision, fp32_lm_head)
         self.engine = LocalEngine(model, pad, eos)
         self.weight_version = "default"
         self.vocab_size = self.engine.model.config.vocab_size
@@ -90,7 +96,7 @@ class EngineServer:
             except UserError as exc:
                 return {"success": False, "message": str(exc), "num_paused_requests": 0}
             self.lora.adapters.reset()  # they were injected into the model being replaced
-            self.engine.update_weights(set_precision(model, self.precision))
+            self.engine.update_weights(set_precision(model, self.precision, self.fp32_lm_head))
             self.model_path = path
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
@@ -305,10 +311,11 @@ def serve(
     num_threads: int,
     dtype: str = "auto",
     enable_lora: bool = False,
+    fp32_lm_head: bool = True,
 ) -> int:
     configure_determinism(0, num_threads)
     precision, why = resolve(DTYPES[dtype], torch.device("cpu"))
-    engine = EngineServer(hf_checkpoint, precision, enable_lora)
+    engine = EngineServer(hf_checkpoint, precision, enable_lora, fp32_lm_head)
     try:
         httpd = Server((host, port), make_handler(engine))
     except OSError as exc:
@@ -329,7 +336,13 @@ def serve(
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(
-        args.hf_checkpoint, args.host, args.port, args.num_threads, args.dtype, args.enable_lora
+        args.hf_checkpoint,
+        args.host,
+        args.port,
+        args.num_threads,
+        args.dtype,
+        args.enable_lora,
+        args.fp32_lm_head,
     )
 
 
@@ -351,6 +364,13 @@ def register(sub) -> None:
         default="auto",
         help="compute precision over fp32 weights, as vLLM/SGLang spell it; auto: bfloat16 where "
         "the CPU computes bf16 natively (AMX or AVX512-BF16), else float32 (default auto)",
+    )
+    parser.add_argument(
+        "--no-fp32-lm-head",
+        dest="fp32_lm_head",
+        action="store_false",
+        help="in bfloat16, sample from logits rounded to bf16 instead of computing the LM head in "
+        "fp32 (SGLang's --enable-fp32-lm-head is the opposite switch; mileage's default is on)",
     )
     parser.add_argument(
         "--enable-lora",

@@ -1469,7 +1469,7 @@ MUTANTS = [
         "generation-in-fp32",
         "the in-process engine generates in fp32 while the trainer computes in bf16",
         "mileage/rollout/engine.py",
-        "        with torch.no_grad(), autocast(self.model):\n",
+        "        with torch.no_grad(), generation_autocast(self.model):\n",
         '        with torch.no_grad(), torch.autocast("cpu", enabled=False):\n',
         (f"{PRECISION}::test_the_local_engine_generates_in_the_models_precision",),
     ),
@@ -1552,8 +1552,8 @@ MUTANTS = [
         "the engine generates under inference_mode, where autocast re-rounds every weight at "
         "every decode step",
         "mileage/rollout/engine.py",
-        "        with torch.no_grad(), autocast(self.model):\n",
-        "        with torch.inference_mode(), autocast(self.model):\n",
+        "        with torch.no_grad(), generation_autocast(self.model):\n",
+        "        with torch.inference_mode(), generation_autocast(self.model):\n",
         (
             "tests/test_engine.py::"
             "test_bf16_generation_rounds_each_weight_once_per_batch_not_per_token",
@@ -1596,6 +1596,37 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "generation-logits-in-bf16",
+        "the engine samples a bf16 model's tokens from logits rounded to bf16 although the run "
+        "asked for fp32 logits",
+        "mileage/precision.py",
+        "        stack.enter_context(fp32_logits())\n",
+        "        pass\n",
+        (
+            "tests/test_lm_head.py::"
+            "test_bf16_generation_samples_from_fp32_logits_and_training_keeps_bf16",
+        ),
+    ),
+    Mutant(
+        "run-ignores-fp32-lm-head",
+        "a run builds its policy without the fp32 LM head it planned",
+        "mileage/components.py",
+        "    set_precision(model, plan.precision, cfg.precision.fp32_lm_head)\n",
+        "    set_precision(model, plan.precision)\n",
+        ("tests/test_lm_head.py::test_a_bf16_run_builds_its_policy_with_the_switch_and_says_so",),
+    ),
+    Mutant(
+        "fp32-logits-in-training-too",
+        "the switched head computes in fp32 in every forward, training's included",
+        "mileage/models/lm_head.py",
+        '        if not getattr(_state, "active", False):\n',
+        "        if False:\n",
+        (
+            "tests/test_lm_head.py::"
+            "test_bf16_generation_samples_from_fp32_logits_and_training_keeps_bf16",
+        ),
+    ),
+    Mutant(
         "vllm-dtype-not-the-trainers",
         "a launched vLLM gets --dtype float32 whatever the trainer's precision",
         "mileage/rollout/engines/factory.py",
@@ -1607,7 +1638,7 @@ MUTANTS = [
         "serve-reload-drops-the-dtype",
         "`mileage serve` computes reloaded weights in fp32 whatever its --dtype",
         "mileage/serve.py",
-        "self.engine.update_weights(set_precision(model, self.precision))",
+        "self.engine.update_weights(set_precision(model, self.precision, self.fp32_lm_head))",
         "self.engine.update_weights(model)",
         (f"{SERVE}::test_serve_says_its_dtype_and_keeps_it_across_weight_reloads",),
     ),

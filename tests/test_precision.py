@@ -190,7 +190,10 @@ def test_a_checkpoint_records_its_precision_and_another_precision_is_announced(
     common = ["--save", save, "--load", save]
     first = cli("train", *builtin_train_args("--num-rollout", "2", "--bf16", *common))
     assert first.returncode == 0, first.stderr
-    assert "precision: bf16 compute, fp32 master weights (as asked)" in first.stdout
+    assert (
+        "precision: bf16 compute, fp32 master weights (as asked; the engine samples from fp32 "
+        "logits)" in first.stdout
+    )
     assert _meta(save, 1)["precision"] == BF16
     assert_learned(save, builtin_model)
     # the same precision: no announcement

@@ -11,6 +11,7 @@ import torch
 
 from mileage.errors import UserError
 from mileage.models.hf import load_causal_lm
+from mileage.models.lm_head import Fp32LogitsLinear
 from mileage.precision import resolve, set_precision
 from mileage.rollout.engine import LocalEngine, SamplingParams
 from mileage.rollout.engines.base import SamplingSeed
@@ -43,6 +44,10 @@ def test_serve_says_its_dtype_and_keeps_it_across_weight_reloads(server, tiny_hf
     assert precision_of(bf16.engine.model) == "bf16"
     assert bf16.update_weights({"model_path": str(tiny_hf)})["success"]
     assert precision_of(bf16.engine.model) == "bf16"
+    # and it samples from fp32 logits after the reload too, unless told not to
+    assert isinstance(bf16.engine.model.get_output_embeddings(), Fp32LogitsLinear)
+    rounded = EngineServer(str(tiny_hf), "bf16", fp32_lm_head=False)
+    assert type(rounded.engine.model.get_output_embeddings()) is torch.nn.Linear
     assert precision_of(EngineServer(str(tiny_hf)).engine.model) == "fp32"
 
 
@@ -65,8 +70,10 @@ def test_generate_reply_has_sglangs_shape_and_the_local_engines_numbers(server, 
         },
     )
     assert isinstance(reply, list) and len(reply) == 3
-    # the server computes in its --dtype, by default auto's choice for this CPU
-    model = set_precision(load_causal_lm(tiny_hf), resolve("auto", torch.device("cpu"))[0])
+    # the server computes in its --dtype, by default auto's choice for this CPU, and samples
+    # from fp32 logits (its default; on an fp32 server it changes nothing)
+    precision = resolve("auto", torch.device("cpu"))[0]
+    model = set_precision(load_causal_lm(tiny_hf), precision, fp32_lm_head=True)
     local = LocalEngine(model, pad_id=0, eos_id=2).generate(
         [PROMPT] * 3,
         SamplingParams(6, 1.0, 1.0),
@@ -177,7 +184,7 @@ def test_broadcast_in_buckets_loads_every_tensor_and_a_short_update_is_refused(s
         seed, params = SamplingSeed(1234, 0), SamplingParams(4, 1.0, 1.0)
         served = engine.generate([PROMPT] * 2, params, seed, group_size=2)
         # the server computes in its default precision (auto): so does the engine it is held to
-        set_precision(model, resolve("auto", torch.device("cpu"))[0])
+        set_precision(model, resolve("auto", torch.device("cpu"))[0], fp32_lm_head=True)
         local = LocalEngine(model, pad_id=0, eos_id=2).generate(
             [PROMPT] * 2, params, [torch.Generator().manual_seed(seed.row_seed(r)) for r in (0, 1)]
         )

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from mileage.precision import autocast
+from mileage.precision import generation_autocast
 from mileage.rollout.fast_decode import FastDecoder
 
 # top-p first looks for the nucleus among this many most likely tokens
@@ -194,7 +194,7 @@ class LocalEngine:
         # autocast context so that each fp32 weight is rounded to bf16 once per batch, not once
         # per token. Under no_grad, not inference_mode: autocast caches those casts only outside
         # inference mode (in it, SmolLM2 bf16 spent 39 % of generation copying weights).
-        with torch.no_grad(), autocast(self.model):
+        with torch.no_grad(), generation_autocast(self.model):
             return self._generate_batch_in_precision(prompts, params, generator)
 
     def _generate_batch_in_precision(self, prompts, params, generator) -> list[Completion]:
