@@ -22,7 +22,9 @@ round trip (HTTP, JSON, detokenization it does anyway), which is what a trainer 
 A precision (`--dtypes`) is what a training run with `--precision` generates in: fp32 weights,
 and in bf16 every step under bf16 autocast (`mileage.precision`), for `generate` too; vLLM gets
 `--dtype`. The host's bf16 CPU flags and matmul limit per precision (`_common.matmul_limits`)
-are recorded beside the throughputs.
+are recorded beside the throughputs. In bf16 mileage's engine samples from fp32 logits, as a
+run does by default; `bf16-logits` is the engine of `--no-fp32-lm-head` (bf16-rounded logits,
+the LM head in bf16 like `generate`'s).
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch-sizes", default="64,256", help="comma-separated (default 64,256)")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--dtypes", default="fp32,bf16", help="for the tiny model (default fp32,bf16)")
+    p.add_argument(
+        "--dtypes",
+        default="fp32,bf16",
+        help="for the tiny model: fp32, bf16, bf16-logits (default fp32,bf16)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine and setting")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     p.add_argument("--smollm2-dir", default=None, help="converted SmolLM2 HF dir (adds that model)")
@@ -168,8 +174,10 @@ def bench_model(name, model_dir, dtypes, batch_sizes, args, repeats) -> list[dic
     rows = []
     for dtype_name in dtypes:
         # fp32 master weights; bf16 is autocast, as in a training run (LocalEngine enters it)
-        model = set_precision(load_causal_lm(model_dir), dtype_name)
-        vllm = VLLMServer(str(model_dir), dtype_name, args) if args.vllm_python else None
+        precision = "bf16" if dtype_name == "bf16-logits" else dtype_name
+        fp32_lm_head = dtype_name == "bf16"  # a run's default; `generate` never enters it
+        model = set_precision(load_causal_lm(model_dir), precision, fp32_lm_head)
+        vllm = VLLMServer(str(model_dir), precision, args) if args.vllm_python else None
         for batch in batch_sizes:
             prompts = mixed_prompts(tokenizer, batch)
             runners = {"mileage": engine_run, "transformers": hf_run}
