@@ -9,10 +9,10 @@ In bf16 the parameters, gradients and optimizer state stay fp32 (master weights)
 (and so its backward) and each generation step runs under `torch.autocast` in bf16, which rounds
 the matmul inputs to bf16 and keeps reductions such as log-softmax and RMSNorm in fp32 (on a
 CPU, attention too: `mileage.models.attention`), and the engine samples from fp32 logits
-(`mileage.models.lm_head`; `--no-fp32-lm-head` rounds them to bf16). A model carries its precision as an attribute
-(`set_precision`), so every code path that runs it (training, reference, critic, the in-process
-engine, `mileage serve`) enters the same context through `autocast(model)`, in any thread, and
-a deep copy keeps it.
+(`mileage.models.lm_head`; `--no-fp32-lm-head` rounds them to bf16). A model carries its
+precision as an attribute (`set_precision`), so every code path that runs it (training,
+reference, critic, the in-process engine, `mileage serve`) enters the same context through
+`autocast(model)` (the engine: `generation_autocast`), in any thread, and a deep copy keeps it.
 """
 
 from __future__ import annotations
