@@ -58,7 +58,9 @@ ONE_STEP_CHAIN = [
 ]
 
 # --keep-old-actor: each checkpoint also holds the weights its buffered slot was generated with
-KEEP_ARGS = [*crash_run_args(num_rollout=4), "--keep-old-actor"]
+# --no-fp32-lm-head: the engine's arithmetic is then the trainer's in bf16 too, so a
+# denominator of the right weights matches the engine's log-probs to kernel rounding
+KEEP_ARGS = [*crash_run_args(num_rollout=4), "--keep-old-actor", "--no-fp32-lm-head"]
 KEEP_CHAIN = [
     Kill.at("commit_after_tracker"),  # iter_0 committed with slot 1 and version 0's weights
     Kill.at("async_generating"),  # slot 2 generating while rollout 1 trains on the kept ones

@@ -126,5 +126,6 @@ def test_the_corrections_run_in_train(cli, builtin_model, tmp_path):
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "s" / "metrics.jsonl").read_text().splitlines()[-1])
     # the in-process engine samples with the trainer's weights: nothing rejected, ~no mismatch
-    assert record["tis_rejected_frac"] == 0.0 and abs(record["mismatch_k3_kl"]) < 1e-6
+    # (in bf16 its fp32 logits against the trainer's bf16 ones: k3 ~1e-5)
+    assert record["tis_rejected_frac"] == 0.0 and abs(record["mismatch_k3_kl"]) < 1e-4
     assert "opsm_masked_frac" in record and record["grad_norm"] > 0

@@ -65,6 +65,7 @@ from mileage.distributed import env
 from mileage.distributed.parallelize import copy_full_weights
 from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.models.hf import empty_causal_lm
+from mileage.models.lm_head import has_fp32_logits
 from mileage.precision import precision_of, set_precision
 from mileage.rollout.engine import LocalEngine, SamplingParams
 
@@ -95,7 +96,8 @@ def full_size_tensors(model):
 
 def same_samples(run):
     \"\"\"The engine's samples against a plain full copy's (the old way), same seeds.\"\"\"
-    plain = set_precision(empty_causal_lm(path).eval(), precision_of(run.model))
+    plain = set_precision(empty_causal_lm(path).eval(), precision_of(run.model),
+                          has_fp32_logits(run.model))
     copy_full_weights(run.model, plain)
     local = run.engine.engine
     old = ShardedGenerationEngine(LocalEngine(plain, local.pad_id, local.eos_id), 4)

@@ -54,7 +54,8 @@ def args_for(urls: list[str], num_rollout: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def servers(builtin_model):
-    started = start_servers(builtin_model, 2)
+    # the trainer's bf16 LM head, so that engine and trainer log-probs agree (models/lm_head.py)
+    started = start_servers(builtin_model, 2, args=("--no-fp32-lm-head",))
     yield [s.url for s in started]
     for server in started:
         server.stop()

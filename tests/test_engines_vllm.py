@@ -47,9 +47,10 @@ child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 with open(os.environ["FAKE_VLLM_PIDS"], "a") as f:
     f.write(f"{os.getpid()} {child.pid}\\n")
 configure_determinism(0, 1)
-# --model holds weights only (no tokenizer); it computes in the --dtype the trainer asked for
+# --model holds weights only (no tokenizer); it computes in the --dtype the trainer asked for,
+# with its LM head in that dtype too, as vLLM does
 engine = EngineServer(args.tokenizer, {"float32": "fp32", "bfloat16": "bf16"}[args.dtype],
-                      enable_lora=args.enable_lora)
+                      enable_lora=args.enable_lora, fp32_lm_head=False)
 calls = []
 
 class Handler(BaseHTTPRequestHandler):

@@ -49,6 +49,11 @@ def use_fp32_logits(model: torch.nn.Module, enabled: bool) -> bool:
     return enabled
 
 
+def has_fp32_logits(model: torch.nn.Module) -> bool:
+    """Whether `model` (or a model inside it) has its LM head switched to fp32 logits."""
+    return any(isinstance(m, Fp32LogitsLinear) for m in model.modules())
+
+
 @contextlib.contextmanager
 def fp32_logits() -> Iterator[None]:
     """Switched LM heads compute in fp32 in this thread until the context ends."""
