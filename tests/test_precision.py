@@ -147,7 +147,7 @@ def test_ppo_ratio_is_exactly_one_at_the_first_step(tiny_hf, mode, steps):
     if mode == BF16:
         assert batch.old_from_pass == (steps == 1)
         assert len(forwards) == 2 * (1 if steps == 1 else 2)  # 2 micro-batches (+ recompute)
-        assert stats["logprob_abs_diff"] == pytest.approx(expected_diff, rel=1e-6)
+        assert stats["logprob_abs_diff"] == pytest.approx(expected_diff, rel=1e-3)
         assert expected_diff > 0  # the cached bf16 decode rounds otherwise than the forward
         assert stats["ppo_kl"] == 0.0 and stats["ratio"] == 1.0
         assert stats["clipfrac"] == 0.0
