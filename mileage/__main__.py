@@ -11,6 +11,6 @@ if int(os.environ.get("WORLD_SIZE", "1")) > 1:
 
     die_with_parent(signal.SIGKILL)
 
-from mileage.cli.main import main  # noqa: E402
+from mileage.cli.main import run  # noqa: E402
 
-sys.exit(main())
+sys.exit(run())

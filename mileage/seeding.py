@@ -37,6 +37,11 @@ def configure_determinism(seed: int, num_threads: int) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.set_num_threads(num_threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # Deterministic mode also fills every new tensor with NaN, a debugging aid that shows reads
+    # of uninitialised memory; it does not make any kernel more deterministic. That fill was a
+    # quarter of the SmolLM2 training pass (bench/results/profile_smollm2_8x8_bf16_s11.txt:
+    # aten::fill_ 24 %), one more pass over every activation, gradient and KV cache.
+    torch.utils.deterministic.fill_uninitialized_memory = False
     random.seed(seed)
     torch.manual_seed(seed)
 

@@ -117,5 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> int:
+    """The `mileage` command as a process of its own: tunes the process, then `main`."""
+    from mileage.allocator import keep_freed_memory
+
+    keep_freed_memory()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
