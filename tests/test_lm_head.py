@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mileage.cli.main import build_parser
+from mileage.models import lm_head
 from mileage.models.lm_head import Fp32LogitsLinear, fp32_logits, use_fp32_logits
 from mileage.precision import BF16, FP32, autocast, generation_autocast, set_precision
 from mileage.rollout.engine import LocalEngine, SamplingParams
@@ -115,6 +116,30 @@ def test_the_switch_is_scoped_to_its_thread_and_context(tiny_hf):
         with fp32_logits():
             assert head(x).dtype == torch.float32
         assert head(x).dtype == torch.bfloat16
+
+
+def test_the_heads_packed_weight_is_made_once_per_context_and_sees_a_changed_weight(
+    tiny_hf, monkeypatch
+):
+    head = _model(tiny_hf, BF16, fp32_lm_head=True).get_output_embeddings()
+    reorders = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(
+        lm_head.torch.ops.mkldnn,
+        "_reorder_linear_weight",
+        lambda w, rows: reorders.append(rows) or reorder(w, rows),
+    )
+    x = torch.randn(3, head.in_features)
+    with fp32_logits():
+        first = head(x)
+        assert torch.equal(head(x[:1]), first[:1])  # other row counts reuse it
+    assert len(reorders) == 1
+    torch.testing.assert_close(first, x @ head.weight.t(), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        head.weight.mul_(2.0)  # an optimizer step between two batches
+    with fp32_logits():
+        torch.testing.assert_close(head(x), 2 * first, rtol=1e-6, atol=1e-6)
+    assert len(reorders) == 2
 
 
 def test_the_flag_defaults_on_and_no_fp32_lm_head_turns_it_off():
