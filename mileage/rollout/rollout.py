@@ -137,7 +137,8 @@ def single_turn_samples(
 ) -> list[Sample]:
     """One answer per (prompt, sample) in one engine call, not yet scored (reward 0.0)."""
     expanded = [p for p in prompts for _ in range(n_samples)]
-    ids = [encode.prompt_ids(p) for p in expanded]
+    # each prompt is tokenized once (with its chat template), not once per sample
+    ids = [list(i) for i in map(encode.prompt_ids, prompts) for _ in range(n_samples)]
     # greedy decoding draws nothing: no seed, so a remote engine may batch it freely
     sampling_seed = None if params.greedy else SamplingSeed(seed, rollout_id)
     completions = engine.generate(ids, params, sampling_seed, group_size=n_samples)
