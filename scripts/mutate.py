@@ -1802,6 +1802,38 @@ MUTANTS = [
         "zero += group[0] == group[1]",
         ("tests/test_recipe_ds_paired.py::test_group_counts_zero_variance_and_exact",),
     ),
+    Mutant(
+        "packed-head-outlives-its-batch",
+        "the fp32 head's oneDNN weight is kept across generation contexts, so a batch after an "
+        "optimizer step samples from the weights before it",
+        "mileage/models/lm_head.py",
+        "    if not before:\n        _state.packed = {}\n    _state.active = True\n    try:\n"
+        "        yield\n    finally:\n        _state.active = before\n        if not before:\n"
+        "            _state.packed = {}\n",
+        "    if not hasattr(_state, 'packed'):\n        _state.packed = {}\n"
+        "    _state.active = True\n    try:\n        yield\n    finally:\n"
+        "        _state.active = before\n",
+        (
+            "tests/test_lm_head.py::"
+            "test_the_heads_packed_weight_is_made_once_per_context_and_sees_a_changed_weight",
+        ),
+    ),
+    Mutant(
+        "allocator-tuning-overrides-the-users",
+        "the mileage process turns glibc's mmap off even where the user tuned malloc",
+        "mileage/allocator.py",
+        "or any(os.environ.get(k) for k in _USER_TUNING)",
+        "or False",
+        ("tests/test_allocator.py::test_a_users_own_malloc_tuning_is_left_alone",),
+    ),
+    Mutant(
+        "allocator-trims-again",
+        "freed memory goes back to the kernel at the heap's top, so blocks fault in again",
+        "mileage/allocator.py",
+        "mallopt(M_TRIM_THRESHOLD, -1) == 1",
+        "mallopt(M_TRIM_THRESHOLD, 0) == 1",
+        ("tests/test_allocator.py::test_freed_blocks_are_reused_instead_of_faulting_in_again",),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
