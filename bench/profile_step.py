@@ -1,9 +1,10 @@
 """Where one RL step's time goes: the torch profiler around real `mileage train` rollouts.
 
 Builds the run exactly as `mileage train` does (same flags, same components), runs a few
-untimed rollouts, times the next ones phase by phase without the profiler, then profiles as many
-again: generate (sampling + scoring), pack (samples -> padded tensors), train (forward,
-backward, clip, AdamW). Prints the wall time of each phase, the operators with the most self CPU
+untimed rollouts, times the next ones phase by phase without the profiler (with each phase's
+minor page faults; the process keeps freed memory as `mileage` does, unless
+`--glibc-default-malloc`), then profiles as many again: generate (sampling + scoring), pack
+(samples -> padded tensors), train (forward, backward, clip, AdamW). Prints the wall time of each phase, the operators with the most self CPU
 time, and how close the training pass comes to the host's matmul limit: the matmul FLOPs the
 profiler counts inside the train phase (`with_flops`: mm, addmm, bmm, with their shapes),
 divided by the train phase's unprofiled wall time, against `_common.matmul_limits` for the run's
@@ -49,7 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed rollouts first")
     p.add_argument("--rollouts", type=int, default=10, help="profiled rollouts")
     p.add_argument("--top", type=int, default=25, help="operators listed")
+    p.add_argument(
+        "--glibc-default-malloc",
+        action="store_true",
+        help="leave glibc's malloc as it is (the `mileage` process keeps freed memory instead: "
+        "mileage/allocator.py), to measure what that changes",
+    )
     args = p.parse_args(own)
+    if not args.glibc_default_malloc:
+        from mileage.allocator import keep_freed_memory
+
+        keep_freed_memory()  # as the `mileage` process does before anything else
+    import resource
 
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -70,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     restore(run, print)
     rc = cfg.rollout
 
-    def one_rollout(rollout_id: int, walls: dict | None) -> None:
+    def one_rollout(rollout_id: int, walls: dict | None, faults: dict | None = None) -> None:
         marks = [time.perf_counter()]
+        minflt = [resource.getrusage(resource.RUSAGE_SELF).ru_minflt]
         with record_function("generate"):
             prompts = run.data.next_batch(rc.rollout_batch_size)
             samples = generate_samples(
@@ -79,21 +92,28 @@ def main(argv: list[str] | None = None) -> int:
                 run.reward_fn, cfg.loop.seed, rollout_id,
             )  # fmt: skip
         marks.append(time.perf_counter())
+        minflt.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
         with record_function("pack"):
             batch = pack_samples(samples, run.tokenizer.pad_token_id)
         marks.append(time.perf_counter())
+        minflt.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
         with record_function("train"):
             run.actor.train_rollout(batch)
         marks.append(time.perf_counter())
+        minflt.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
         if walls is not None:
             for phase, start, stop in zip(PHASES, marks[:-1], marks[1:], strict=True):
                 walls[phase].append(stop - start)
+        if faults is not None:
+            for phase, start, stop in zip(PHASES, minflt[:-1], minflt[1:], strict=True):
+                faults[phase].append(stop - start)
 
     for rollout_id in range(args.warmup):
         one_rollout(rollout_id, None)
     clean: dict[str, list[float]] = defaultdict(list)  # the same work without the profiler
+    faults: dict[str, list[int]] = defaultdict(list)  # minor page faults, the same rollouts
     for rollout_id in range(args.warmup, args.warmup + args.rollouts):
-        one_rollout(rollout_id, clean)
+        one_rollout(rollout_id, clean, faults)
     # the limit is measured before the profiler runs: its event records held ~20 GB on SmolLM2,
     # and a limit measured after them came out at half the idle machine's
     precision = precision_of(run.actor.model)
@@ -122,8 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     train_s = sum(clean["train"]) / args.rollouts
     achieved = train_gflop / train_s
     lines += [
-        "phase      mean wall s without the profiler",
-        *(f"{phase:<10} {sum(clean[phase]) / args.rollouts:.4f}" for phase in PHASES),
+        "phase      mean wall s without the profiler, minor page faults"
+        + (" (glibc's default malloc)" if args.glibc_default_malloc else ""),
+        *(
+            f"{phase:<10} {sum(clean[phase]) / args.rollouts:.4f}  "
+            f"{sum(faults[phase]) // args.rollouts:>9}"
+            for phase in PHASES
+        ),
         "",
         f"training pass: {train_gflop:.1f} GFLOP of matmuls per rollout in {train_s:.3f} s = "
         f"{achieved:.0f} GFLOP/s; {precision} matmul limit on this host "
@@ -146,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             "flags": TINY_STEP + train_flags,
             "precision": precision,
             "walls_s": {p: sum(clean[p]) / args.rollouts for p in PHASES},
+            "minor_page_faults": {p: sum(faults[p]) // args.rollouts for p in PHASES},
+            "glibc_default_malloc": args.glibc_default_malloc,
             "walls_profiled_s": {p: sum(walls[p]) / args.rollouts for p in PHASES},
             "train_gflop": train_gflop,
             "train_gflops": achieved,
