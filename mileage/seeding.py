@@ -38,9 +38,10 @@ def configure_determinism(seed: int, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
     # Deterministic mode also fills every new tensor with NaN, a debugging aid that shows reads
-    # of uninitialised memory; it does not make any kernel more deterministic. That fill was a
-    # quarter of the SmolLM2 training pass (bench/results/profile_smollm2_8x8_bf16_s11.txt:
-    # aten::fill_ 24 %), one more pass over every activation, gradient and KV cache.
+    # of uninitialised memory; it does not make any kernel more deterministic. It is one more
+    # pass over every activation, gradient and KV cache (the session-11 profile charged aten::
+    # fill_ with 24 % of the SmolLM2 train phase, mostly the page faults of the fresh memory it
+    # touched first: mileage/allocator.py).
     torch.utils.deterministic.fill_uninitialized_memory = False
     random.seed(seed)
     torch.manual_seed(seed)

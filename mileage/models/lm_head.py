@@ -63,6 +63,8 @@ def _packed_weight(head: torch.nn.Linear) -> torch.Tensor | None:
     packed = _state.packed.get(head)
     if packed is None:
         with torch.no_grad():
+            # 16: the row count the layout is chosen for; 1 to 128 rows ran as fast on it as on
+            # a layout chosen for their own count, so one layout serves prefill and decode
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
         _state.packed[head] = packed
     return packed
