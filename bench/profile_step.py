@@ -22,6 +22,7 @@ Flags after `--` are `mileage train` flags; the defaults are the RL-step benchma
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -61,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         from mileage.allocator import keep_freed_memory
 
         keep_freed_memory()  # as the `mileage` process does before anything else
-    import resource
 
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
