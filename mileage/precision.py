@@ -119,12 +119,15 @@ def autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:
 
 
 def generation_autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """The context the engine generates in: `autocast(model)`, and fp32 logits where the
-    model's LM head was switched to them (`set_precision(..., fp32_lm_head=True)`)."""
+    """The context the engine generates in: `autocast(model)`, fp32 weights reordered once for
+    oneDNN (`mileage.models.packed`), and fp32 logits where the model's LM head was switched to
+    them (`set_precision(..., fp32_lm_head=True)`)."""
     from mileage.models.lm_head import fp32_logits, has_fp32_logits
+    from mileage.models.packed import packed_weights
 
     stack = contextlib.ExitStack()
     stack.enter_context(autocast(model))
+    stack.enter_context(packed_weights(model))
     if has_fp32_logits(model):
         stack.enter_context(fp32_logits())
     return stack

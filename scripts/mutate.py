@@ -1803,20 +1803,33 @@ MUTANTS = [
         ("tests/test_recipe_ds_paired.py::test_group_counts_zero_variance_and_exact",),
     ),
     Mutant(
-        "packed-head-outlives-its-batch",
-        "the fp32 head's oneDNN weight is kept across generation contexts, so a batch after an "
+        "packed-weight-outlives-its-batch",
+        "the oneDNN copies of generation's weights are kept across batches, so a batch after an "
         "optimizer step samples from the weights before it",
-        "mileage/models/lm_head.py",
-        "    if not before:\n        _state.packed = {}\n    _state.active = True\n    try:\n"
-        "        yield\n    finally:\n        _state.active = before\n        if not before:\n"
-        "            _state.packed = {}\n",
-        "    if not hasattr(_state, 'packed'):\n        _state.packed = {}\n"
-        "    _state.active = True\n    try:\n        yield\n    finally:\n"
-        "        _state.active = before\n",
+        "mileage/models/packed.py",
+        "        if not outer:\n            _state.cache = None\n",
+        "        pass\n",
         (
+            "tests/test_packed.py::test_a_weight_changed_between_contexts_is_reordered_again",
             "tests/test_lm_head.py::"
             "test_the_heads_packed_weight_is_made_once_per_context_and_sees_a_changed_weight",
         ),
+    ),
+    Mutant(
+        "packed-linear-under-autocast",
+        "a bf16 forward inside generation multiplies in fp32 on the reordered weight",
+        "mileage/models/packed.py",
+        "if x.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type):",
+        "if x.dtype == torch.float32:",
+        ("tests/test_packed.py::test_autocast_and_other_threads_take_the_stock_path",),
+    ),
+    Mutant(
+        "packed-copies-of-sharded-weights",
+        "generation reorders a full copy of FSDP-sharded weights on every rank",
+        "mileage/models/packed.py",
+        "if not outer and (model is None or _plain_parameters(model)):",
+        "if not outer:",
+        ("tests/test_packed.py::test_a_model_with_sharded_parameters_keeps_the_stock_path",),
     ),
     Mutant(
         "allocator-tuning-overrides-the-users",

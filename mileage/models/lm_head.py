@@ -14,12 +14,10 @@ forwards keep the bf16 head: the old log-probs are the trainer's own, so the PPO
 see the difference, and `logprob_abs_diff` logs it. The head changes class in place, so its
 parameters, their tying to the embedding and the state dict stay as they are.
 
-On a CPU that product runs on oneDNN with the weight reordered into its blocked layout once per
-`fp32_logits()` context (`_packed_weight`): the engine enters it once per batch, in which the
-weights cannot change, as autocast's cast cache also assumes. At decode shapes the stock fp32
-matmul is slow: SmolLM2's head took 17-27 ms for 16 rows against 4.5 ms packed, and 4-5 ms in
-bf16 (AMD EPYC, 2 threads), so the fp32 head costs about what a bf16 one does. The reorder takes
-~60 ms and holds a second copy of the head's weight until the context ends.
+On a CPU that product runs on the weight reordered once per `fp32_logits()` context for oneDNN
+(`mileage.models.packed`): at decode shapes the stock fp32 matmul is slow, SmolLM2's head took
+17-27 ms for 16 rows against 4.5 ms reordered, and 4-5 ms in bf16 (AMD EPYC with AVX-512,
+2 threads), so the fp32 head costs about what a bf16 one does.
 """
 
 from __future__ import annotations
@@ -31,10 +29,12 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from mileage.models.packed import PackedLinear, linear, packed_weight, packed_weights
+
 _state = threading.local()  # generation may run in any thread (async driver, `mileage serve`)
 
 
-class Fp32LogitsLinear(torch.nn.Linear):
+class Fp32LogitsLinear(PackedLinear):
     """An `nn.Linear` LM head that computes in fp32 inside `fp32_logits()`."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -42,32 +42,10 @@ class Fp32LogitsLinear(torch.nn.Linear):
             return super().forward(hidden)
         bias = None if self.bias is None else self.bias.float()
         with torch.autocast(hidden.device.type, enabled=False):
-            packed = _packed_weight(self)
+            packed = packed_weight(self)
             if packed is None:
                 return F.linear(hidden.float(), self.weight.float(), bias)
-            return torch.ops.mkldnn._linear_pointwise(hidden.float(), packed, bias, "none", [], "")
-
-
-def _packed_weight(head: torch.nn.Linear) -> torch.Tensor | None:
-    """`head`'s fp32 weight reordered for oneDNN's matmul, kept until the `fp32_logits()`
-    context ends; None where that path does not apply (not a plain fp32 CPU tensor, a build
-    without oneDNN)."""
-    weight = head.weight
-    if not (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and type(weight.data) is torch.Tensor  # not a DTensor or another subclass
-        and torch.backends.mkldnn.is_available()
-    ):
-        return None
-    packed = _state.packed.get(head)
-    if packed is None:
-        with torch.no_grad():
-            # 16: the row count the layout is chosen for; 1 to 128 rows ran as fast on it as on
-            # a layout chosen for their own count, so one layout serves prefill and decode
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
-        _state.packed[head] = packed
-    return packed
+            return linear(hidden.float(), packed, bias)
 
 
 def use_fp32_logits(model: torch.nn.Module, enabled: bool) -> bool:
@@ -75,7 +53,7 @@ def use_fp32_logits(model: torch.nn.Module, enabled: bool) -> bool:
     not a plain `nn.Linear` (a LoRA-wrapped head, a model without one): it is left as it is."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
-    if type(head) not in (torch.nn.Linear, Fp32LogitsLinear):
+    if type(head) not in (torch.nn.Linear, PackedLinear, Fp32LogitsLinear):
         return False
     head.__class__ = Fp32LogitsLinear if enabled else torch.nn.Linear
     return enabled
@@ -89,14 +67,11 @@ def has_fp32_logits(model: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def fp32_logits() -> Iterator[None]:
     """Switched LM heads compute in fp32 in this thread until the context ends. Their weights
-    must not change inside it (their oneDNN layout is made once)."""
+    must not change inside it (their oneDNN layout is made once: `packed_weights`)."""
     before = getattr(_state, "active", False)
-    if not before:
-        _state.packed = {}
     _state.active = True
     try:
-        yield
+        with packed_weights():
+            yield
     finally:
         _state.active = before
-        if not before:
-            _state.packed = {}

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from mileage.models.packed import use_packed_linears
 from mileage.precision import generation_autocast
 from mileage.rollout.fast_decode import FastDecoder
 
@@ -157,7 +158,7 @@ class LocalEngine:
         eos_id: int,
         max_batch_size: int = GENERATION_BATCH,
     ):
-        self.model = model
+        self.model = use_packed_linears(model)
         self.pad_id = pad_id
         self.eos_id = eos_id
         self.max_batch_size = max_batch_size
@@ -165,7 +166,7 @@ class LocalEngine:
 
     def update_weights(self, model: torch.nn.Module, version: int = 0) -> None:
         """The in-process engine shares the trainer's module, so new weights are already live."""
-        self.model = model
+        self.model = use_packed_linears(model)
         self.weight_version = version
 
     def close(self) -> None:
