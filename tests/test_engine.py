@@ -20,6 +20,15 @@ def engine_for(tiny_hf):
 PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13]]
 
 
+class _Scored:  # the fields pack_samples reads
+    def __init__(self, c):
+        self.prompt_ids, self.response_ids, self.logprobs = c.prompt_ids, c.response_ids, c.logprobs
+        self.reward = 0.0
+
+    def mask(self) -> list[int]:
+        return [1] * len(self.response_ids)
+
+
 def test_same_generator_seed_same_samples(tiny_hf):
     engine, _ = engine_for(tiny_hf)
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
@@ -105,21 +114,32 @@ def test_recorded_logprobs_equal_the_trainers(tiny_hf):
     params = SamplingParams(max_new_tokens=10, temperature=0.7)
     completions = engine.generate(PROMPTS, params, torch.Generator().manual_seed(1))
 
-    class S:  # the fields pack_samples reads
-        def __init__(self, c):
-            self.prompt_ids, self.response_ids, self.logprobs, self.reward = (
-                c.prompt_ids,
-                c.response_ids,
-                c.logprobs,
-                0.0,
-            )
-
-        def mask(self) -> list[int]:
-            return [1] * len(self.response_ids)
-
-    batch = pack_samples([S(c) for c in completions], pad_id=0)
+    batch = pack_samples([_Scored(c) for c in completions], pad_id=0)
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, batch, temperature=0.7)
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(logp[mask], batch.old_logprobs[mask], atol=1e-4)
+
+
+def test_repeated_prompts_share_one_prefill_row_and_keep_their_own_samples(tiny_hf):
+    """GRPO sends each prompt n times: the prefill runs once per distinct prompt, and each
+    sample continues from its own prompt's row (log-probs as the trainer scores them)."""
+    engine, model = engine_for(tiny_hf)
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    prefill_rows = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape),
+        with_kwargs=True,
+    )
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    completions = engine.generate(prompts, params, torch.Generator().manual_seed(2))
+    hook.remove()
+    assert prefill_rows[0] == (3, len(PROMPTS[2]))  # the fast decoder took every later step
+    assert [c.prompt_ids for c in completions] == prompts
+    assert len({tuple(c.response_ids) for c in completions}) > 3  # samples still differ
+    batch = pack_samples([_Scored(c) for c in completions], pad_id=0)
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model, batch, temperature=1.0)
     mask = batch.loss_mask.bool()
     assert torch.allclose(logp[mask], batch.old_logprobs[mask], atol=1e-4)
 

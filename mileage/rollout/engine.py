@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from mileage.models.packed import use_packed_linears
 from mileage.precision import generation_autocast
@@ -145,6 +146,15 @@ def sample_tokens(
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def _expand_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Give `cache` one row per entry of `rows` (an index into its current rows)."""
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:  # other layers keep more state than keys/values
+            raise TypeError(f"cannot share prefill rows in a {type(layer).__name__}")
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
+
+
 class LocalEngine:
     """Generates with a `transformers` causal LM held in this process."""
 
@@ -200,11 +210,17 @@ class LocalEngine:
 
     def _generate_batch_in_precision(self, prompts, params, generator) -> list[Completion]:
         device = next(self.model.parameters()).device
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        batch = len(prompts)
+        # A prompt's n samples share one prefill row (GRPO sends each prompt n times): a row's
+        # prefill is the same arithmetic whichever rows it shares the batch with
+        first_row: dict[tuple[int, ...], int] = {}
+        row_of = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]
+        distinct = list(first_row)
+        width = max(len(p) for p in distinct)
+        ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for row, prompt in enumerate(distinct):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -219,6 +235,10 @@ class LocalEngine:
         )
         logits = out.logits[:, -1]
         del out
+        if len(distinct) < batch:
+            rows = torch.tensor(row_of, device=device)
+            _expand_rows(cache, rows)
+            logits, mask, positions = logits[rows], mask[rows], positions[rows]
         steps = params.max_new_tokens
         if FastDecoder.supports(self.model, width + steps):
             decode = self._fast_steps(cache, mask, positions, steps)
