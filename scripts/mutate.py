@@ -1832,6 +1832,29 @@ MUTANTS = [
         ("tests/test_packed.py::test_a_model_with_sharded_parameters_keeps_the_stock_path",),
     ),
     Mutant(
+        "shared-prefill-rows-misassigned",
+        "samples of repeated prompts continue from the shared prefill rows in sorted order, so a "
+        "sample's cache can be another prompt's",
+        "mileage/rollout/engine.py",
+        "            rows = torch.tensor(row_of, device=device)\n",
+        "            rows = torch.tensor(sorted(row_of), device=device)\n",
+        (
+            "tests/test_engine.py::"
+            "test_repeated_prompts_share_one_prefill_row_and_keep_their_own_samples",
+        ),
+    ),
+    Mutant(
+        "prefill-not-shared",
+        "every sample of a repeated prompt is prefilled again",
+        "mileage/rollout/engine.py",
+        "row_of = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]",
+        "row_of = [first_row.setdefault((i, *p), len(first_row)) for i, p in enumerate(prompts)]",
+        (
+            "tests/test_engine.py::"
+            "test_repeated_prompts_share_one_prefill_row_and_keep_their_own_samples",
+        ),
+    ),
+    Mutant(
         "allocator-tuning-overrides-the-users",
         "the mileage process turns glibc's mmap off even where the user tuned malloc",
         "mileage/allocator.py",
