@@ -14,6 +14,10 @@ Its tokens and log-probs are bit-identical to stepping the `transformers` model;
 what costs time there (regrowing the cache by concatenation every step, rebuilding masks and
 rotary tables, generic per-call Python). Other models decode through the `transformers` forward.
 
+Samples of the same prompt (GRPO's n per prompt) share one prefill row, copied into each
+sample's cache before the first decode step. In fp32 on a CPU the linears multiply by weights
+reordered once per batch for oneDNN (`mileage.models.packed`).
+
 Generation runs in the model's precision (`mileage.precision`): under bf16 autocast the prefill
 and both decode paths round the same operands the same way, so the fast path stays bit-identical.
 """
