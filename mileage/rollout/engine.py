@@ -172,7 +172,7 @@ class LocalEngine:
         eos_id: int,
         max_batch_size: int = GENERATION_BATCH,
     ):
-        self.model = use_packed_linears(model)
+        self.model = model
         self.pad_id = pad_id
         self.eos_id = eos_id
         self.max_batch_size = max_batch_size
@@ -180,7 +180,7 @@ class LocalEngine:
 
     def update_weights(self, model: torch.nn.Module, version: int = 0) -> None:
         """The in-process engine shares the trainer's module, so new weights are already live."""
-        self.model = use_packed_linears(model)
+        self.model = model
         self.weight_version = version
 
     def close(self) -> None:
@@ -209,6 +209,8 @@ class LocalEngine:
         # autocast context so that each fp32 weight is rounded to bf16 once per batch, not once
         # per token. Under no_grad, not inference_mode: autocast caches those casts only outside
         # inference mode (in it, SmolLM2 bf16 spent 39 % of generation copying weights).
+        # every batch: modules added since (a served LoRA adapter) multiply as the rest do
+        use_packed_linears(self.model)
         with torch.no_grad(), generation_autocast(self.model):
             return self._generate_batch_in_precision(prompts, params, generator)
 
