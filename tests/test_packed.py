@@ -20,6 +20,13 @@ from mileage.rollout.engine import LocalEngine, SamplingParams
 PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13]]
 
 
+@pytest.fixture(autouse=True)
+def small_weights_too(monkeypatch, request) -> None:
+    """The tiny test layers are under the size the path starts at; reorder them anyway."""
+    if "threshold" not in request.node.name:
+        monkeypatch.setattr(packed, "MIN_BYTES", 0)
+
+
 @pytest.fixture
 def reorders(monkeypatch) -> list[tuple[int, ...]]:
     """The shape of every weight reordered for oneDNN from now on."""
@@ -97,6 +104,14 @@ def test_a_model_with_sharded_parameters_keeps_the_stock_path(reorders):
     with torch.no_grad(), packed_weights(model):
         model[0](x)
     assert reorders == []
+
+
+def test_weights_under_the_threshold_keep_the_stock_path(reorders):
+    small, large = torch.nn.Linear(256, 512), torch.nn.Linear(512, 512)  # 512 KiB, 1 MiB
+    model = use_packed_linears(torch.nn.Sequential(small, large))
+    with torch.no_grad(), packed_weights(model):
+        model(torch.randn(4, 256))
+    assert reorders == [(512, 512)]
 
 
 def test_the_switch_keeps_parameters_tying_and_state_dict(tiny_hf):
