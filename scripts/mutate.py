@@ -1832,6 +1832,14 @@ MUTANTS = [
         ("tests/test_packed.py::test_a_model_with_sharded_parameters_keeps_the_stock_path",),
     ),
     Mutant(
+        "packed-small-weights-too",
+        "generation reorders weights under 1 MiB too, where oneDNN was slower than the stock path",
+        "mileage/models/packed.py",
+        "            and weight.numel() * weight.element_size() >= MIN_BYTES\n",
+        "",
+        ("tests/test_packed.py::test_weights_under_the_threshold_keep_the_stock_path",),
+    ),
+    Mutant(
         "shared-prefill-rows-misassigned",
         "samples of repeated prompts continue from the shared prefill rows in sorted order, so a "
         "sample's cache can be another prompt's",
