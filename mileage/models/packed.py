@@ -15,7 +15,7 @@ enters the context, so the trainer's forward and backward are torch's own. The r
 rounds differently from the stock one (~1e-6), like any other kernel choice; prefill and every
 decode step of a batch share it, so the engine's two decode paths stay bit-identical, and the
 same host repeats it bit for bit. Each batch holds a second copy of the reordered weights
-(SmolLM2: 540 MB, less than its training step's gradients and optimizer state).
+(SmolLM2: ~510 MB, less than its training step's gradients and optimizer state).
 """
 
 from __future__ import annotations

@@ -217,8 +217,8 @@ class LocalEngine:
     def _generate_batch_in_precision(self, prompts, params, generator) -> list[Completion]:
         device = next(self.model.parameters()).device
         batch = len(prompts)
-        # A prompt's n samples share one prefill row (GRPO sends each prompt n times): a row's
-        # prefill is the same arithmetic whichever rows it shares the batch with
+        # GRPO sends each prompt n times, and their prefill rows would be the same: each distinct
+        # prompt is prefilled once and its cache row copied to its samples
         first_row: dict[tuple[int, ...], int] = {}
         row_of = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]
         distinct = list(first_row)
