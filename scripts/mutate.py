@@ -1863,6 +1863,62 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "shared-prompt-gradient-dropped",
+        "the training forward's shared prompt rows are detached, so no gradient reaches the "
+        "prompt tokens' activations through the samples",
+        "mileage/training/shared_prompt.py",
+        "        expand_rows(cache, rows)\n",
+        "        expand_rows(cache, rows)\n"
+        "        for layer in cache.layers:\n"
+        "            layer.keys, layer.values = layer.keys.detach(), layer.values.detach()\n",
+        (
+            "tests/test_shared_prompt.py::"
+            "test_same_logprobs_entropies_and_gradients_as_the_plain_forward",
+        ),
+    ),
+    Mutant(
+        "shared-prompt-positions-off-by-one",
+        "each sample's own tokens run one position later than in its sequence",
+        "mileage/training/shared_prompt.py",
+        "position_ids=starts[:, None] + steps,",
+        "position_ids=starts[:, None] + steps + 1,",
+        (
+            "tests/test_shared_prompt.py::"
+            "test_same_logprobs_entropies_and_gradients_as_the_plain_forward",
+        ),
+    ),
+    Mutant(
+        "shared-prompt-rows-misassigned",
+        "the training forward gives samples the shared prompt rows in sorted order, so a "
+        "sample can attend to another prompt",
+        "mileage/training/shared_prompt.py",
+        "    rows = torch.tensor(row_of, device=device)\n",
+        "    rows = torch.tensor(sorted(row_of), device=device)\n",
+        (
+            "tests/test_shared_prompt.py::"
+            "test_same_logprobs_entropies_and_gradients_as_the_plain_forward",
+        ),
+    ),
+    Mutant(
+        "shared-prompt-never-used",
+        "the training forward computes every sample's prompt again",
+        "mileage/training/shared_prompt.py",
+        "    if len(first_row) == len(row_of):\n",
+        "    if True:\n",
+        (
+            "tests/test_shared_prompt.py::"
+            "test_each_distinct_prompt_runs_once_then_each_sample_from_its_last_prompt_token",
+        ),
+    ),
+    Mutant(
+        "shared-prompt-under-fsdp",
+        "a sharded (FSDP2) model runs the prompt pass and the samples' pass before one backward",
+        "mileage/training/shared_prompt.py",
+        "    return any(type(p.data) is not torch.Tensor for p in parameters)",
+        "    return False",
+        ("tests/test_shared_prompt.py::test_sharded_parameters_mean_one_plain_forward",),
+    ),
+    Mutant(
         "allocator-tuning-overrides-the-users",
         "the mileage process turns glibc's mmap off even where the user tuned malloc",
         "mileage/allocator.py",

@@ -216,9 +216,15 @@ def test_n2_checkpoint_resumes_at_n1_exactly_and_trains_like_n2_on_the_same_samp
     assert [r["rollout_id"] for r in ours] == [0, 1]
     for key in ("prompt_indices", "lrs", "global_step", "reward_mean", "response_len"):
         assert ours[1][key] == theirs[1][key], key
-    for key in ("grad_norm", "entropy", "ppo_kl", "ratio"):
-        assert ours[1][key] == pytest.approx(theirs[1][key], rel=1e-4), key
     ours_ckpt, theirs_ckpt = checkpoint_path(save, 1), checkpoint_path(reference, 1)
+    precision = json.loads((theirs_ckpt / META).read_text())["precision"]
+    # N=1 runs each prompt once for its samples (`mileage.training.shared_prompt`) and N=2's
+    # sharded model does not: other matmul shapes, so in bf16 other roundings (grad norm 1.3e-3
+    # apart, ppo_kl, near 0, 9e-5), still far below a factor or a half batch
+    rel, kl_abs = (1e-4, 1e-6) if precision == "fp32" else (1e-2, 5e-4)
+    for key in ("grad_norm", "entropy", "ratio"):
+        assert ours[1][key] == pytest.approx(theirs[1][key], rel=rel), key
+    assert ours[1]["ppo_kl"] == pytest.approx(theirs[1]["ppo_kl"], rel=rel, abs=kl_abs)
     assert json.loads((ours_ckpt / META).read_text())["world_size"] == 1
     mine, reference_weights = (
         load_tensors(ours_ckpt / MODEL_DIR),
@@ -226,13 +232,18 @@ def test_n2_checkpoint_resumes_at_n1_exactly_and_trains_like_n2_on_the_same_samp
     )
     assert mine.keys() == reference_weights.keys()
     # this rollout moves weights by up to ~1e-4; another summation order, by ~1e-8 in fp32. In
-    # bf16 (`--precision auto` on a CPU with AVX512-BF16 or AMX) another order can also flip the
-    # bf16 rounding of an operand (1 element in 11008 moved by 1.1e-6 here), still far below a
-    # wrongly averaged or overlapping shard
-    precision = json.loads((theirs_ckpt / META).read_text())["precision"]
-    atol = 1e-6 if precision == "fp32" else 1e-5
+    # bf16 (`--precision auto` on a CPU with AVX512-BF16 or AMX) other matmul shapes (the shared
+    # prompt pass at N=1) also flip bf16 roundings, and AdamW's step, about lr whatever the
+    # gradient's size, turns that into single elements up to 5.5e-5 apart: there the updates
+    # are compared as wholes, still far closer than a wrongly averaged or overlapping shard's
+    # (1.1 % of the largest tensor's update here)
+    start = load_tensors(checkpoint_path(reference, 0) / MODEL_DIR)
     for name, value in mine.items():
-        torch.testing.assert_close(value, reference_weights[name], rtol=0, atol=atol)
+        if precision == "fp32":
+            torch.testing.assert_close(value, reference_weights[name], rtol=0, atol=1e-6)
+        else:
+            update = reference_weights[name] - start[name]
+            assert (value - reference_weights[name]).norm() <= 0.05 * update.norm(), name
 
 
 def test_n1_checkpoint_resumes_at_n2_and_lands_on_the_n2_run_bit_for_bit(

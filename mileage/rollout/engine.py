@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from mileage.models.kv_cache import expand_rows
 from mileage.models.packed import use_packed_linears
 from mileage.precision import generation_autocast
 from mileage.rollout.fast_decode import FastDecoder
@@ -150,15 +150,6 @@ def sample_tokens(
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _expand_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    """Give `cache` one row per entry of `rows` (an index into its current rows)."""
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:  # other layers keep more state than keys/values
-            raise TypeError(f"cannot share prefill rows in a {type(layer).__name__}")
-        layer.keys = layer.keys.index_select(0, rows)
-        layer.values = layer.values.index_select(0, rows)
-
-
 class LocalEngine:
     """Generates with a `transformers` causal LM held in this process."""
 
@@ -243,7 +234,7 @@ class LocalEngine:
         del out
         if len(distinct) < batch:
             rows = torch.tensor(row_of, device=device)
-            _expand_rows(cache, rows)
+            expand_rows(cache, rows)
             logits, mask, positions = logits[rows], mask[rows], positions[rows]
         steps = params.max_new_tokens
         if FastDecoder.supports(self.model, width + steps):

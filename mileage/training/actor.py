@@ -9,7 +9,6 @@ default, token mean with `--calculate-per-token-loss`, as in miles.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,6 +26,7 @@ from mileage.training.critic import Critic
 from mileage.training.logprobs import token_logprobs
 from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss
 from mileage.training.optimizer import LRSchedule
+from mileage.training.shared_prompt import forward_parameters, shared_prompt_logprobs
 
 __all__ = ["Actor", "AlgoConfig", "sequence_logprobs"]
 
@@ -39,7 +39,11 @@ def sequence_logprobs(
     entropy_grad: bool = True,
 ):
     """Log-probs of `batch.targets` (and entropies), from target column `target_offset` on,
-    computed in the model's precision (`mileage.precision`); the log-softmax is always fp32."""
+    computed in the model's precision (`mileage.precision`); the log-softmax is always fp32.
+    Rows that share a prompt share its forward (`mileage.training.shared_prompt`)."""
+    shared = shared_prompt_logprobs(model, batch, temperature, with_entropy, entropy_grad)
+    if shared is not None:
+        return shared
     keep = batch.input_ids.shape[1] - batch.target_offset
     with autocast(model):
         if _accepts_logits_to_keep(model):
@@ -67,7 +71,7 @@ def _take_old_from_pass(part: TrainBatch, logp: torch.Tensor) -> dict[str, float
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    return "logits_to_keep" in forward_parameters(model)
 
 
 class Actor:

@@ -32,6 +32,9 @@ class TrainBatch:
     # the old policy is the trainer's weights now and the rollout takes one optimizer step:
     # its forward computes the old log-probs (`old_logprobs` holds the engine's until then)
     old_from_pass: bool = False
+    # [N] prompt tokens per row: rows with the same prompt share its forward
+    # (`mileage.training.shared_prompt`); None when unknown
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def targets(self) -> torch.Tensor:
@@ -73,6 +76,7 @@ class TrainBatch:
             values=cut(self.values, lead, width - 1),
             target_offset=lead,
             old_from_pass=self.old_from_pass,
+            prompt_lens=None if self.prompt_lens is None else self.prompt_lens[start:stop],
         )
 
 
@@ -93,7 +97,10 @@ def pack_samples(samples, pad_id: int) -> TrainBatch:
         loss_mask[row, p - 1 : p + r - 1] = torch.tensor(s.mask(), dtype=torch.float32)
         old_logprobs[row, p - 1 : p + r - 1] = torch.tensor(s.logprobs)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return TrainBatch(input_ids, attention_mask, loss_mask, old_logprobs, rewards)
+    prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+    return TrainBatch(
+        input_ids, attention_mask, loss_mask, old_logprobs, rewards, prompt_lens=prompt_lens
+    )
 
 
 def mask_truncated(batch: TrainBatch, samples) -> int:
