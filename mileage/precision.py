@@ -110,12 +110,14 @@ def precision_of(model: torch.nn.Module) -> str:
     return getattr(model, _ATTR, FP32)
 
 
-def autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """The context a forward of `model` runs in: bf16 autocast on its device, or nothing."""
+def autocast(model: torch.nn.Module, cache_casts: bool = True) -> contextlib.AbstractContextManager:
+    """The context a forward of `model` runs in: bf16 autocast on its device, or nothing.
+    `cache_casts=False` rounds a weight to bf16 at each use rather than once per context (see
+    `mileage.training.shared_prompt`)."""
     if precision_of(model) != BF16:
         return contextlib.nullcontext()
     device = next(model.parameters()).device
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache_casts)
 
 
 def generation_autocast(model: torch.nn.Module) -> contextlib.AbstractContextManager:

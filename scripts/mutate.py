@@ -1919,6 +1919,18 @@ MUTANTS = [
         ("tests/test_shared_prompt.py::test_sharded_parameters_mean_one_plain_forward",),
     ),
     Mutant(
+        "shared-prompt-caches-bf16-casts",
+        "both passes of the shared-prompt forward use autocast's cached bf16 weight casts, so "
+        "whether their gradients meet in bf16 depends on autocast in other threads",
+        "mileage/training/shared_prompt.py",
+        "    with autocast(model, cache_casts=False):",
+        "    with autocast(model, cache_casts=True):",
+        (
+            "tests/test_shared_prompt.py::"
+            "test_bf16_gradients_do_not_depend_on_autocast_in_other_threads",
+        ),
+    ),
+    Mutant(
         "allocator-tuning-overrides-the-users",
         "the mileage process turns glibc's mmap off even where the user tuned malloc",
         "mileage/allocator.py",

@@ -5,7 +5,9 @@ a plain forward wherever nothing can be shared."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -219,3 +221,35 @@ def test_sharded_parameters_mean_one_plain_forward(tiny_hf):
     batch, _ = _batch(GROUPS)
     with torch.no_grad():
         assert shared_prompt_logprobs(sharded, batch, 1.0) is None
+
+
+def test_bf16_gradients_do_not_depend_on_autocast_in_other_threads(tiny_hf):
+    """train-async generates in a thread beside training. autocast empties its cast cache when
+    any thread leaves its last context, so a cached cast shared by both passes (their gradients
+    summed in bf16) or one cast per pass depended on the other thread: gradients changed from
+    step to step. Each pass casts for itself."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf)
+    set_precision(model, BF16)
+    beside = copy.deepcopy(model).eval()
+    batch, samples = _batch(GROUPS)
+    weights = _response_columns(batch, samples)
+    stop = threading.Event()
+
+    def generate_beside() -> None:
+        ids = torch.randint(3, 40, (8, 12))
+        while not stop.is_set():
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                beside(input_ids=ids)
+
+    thread = threading.Thread(target=generate_beside, daemon=True)
+    thread.start()
+    try:
+        grads = {
+            tuple(float(g.double().sum()) for g in _logprobs_and_grads(model, batch, weights)[2])
+            for _ in range(12)
+        }
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert len(grads) == 1

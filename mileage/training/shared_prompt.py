@@ -14,6 +14,13 @@ a custom attention. It applies wherever a micro-batch repeats a prompt and the m
 models run the plain forward too: FSDP2 frees a module's gathered weights after its first
 backward, and the prompt pass's backward through the same module then read freed memory
 (a segmentation fault with torch 2.13 on gloo).
+
+In bf16 both passes cast each weight afresh (`autocast(..., cache_casts=False)`). With autocast's
+cast cache, one cast would serve both passes and sum their gradients in bf16 before the fp32
+weight; without it, each pass's gradient reaches the fp32 weight on its own. Which of the two
+happened depended on the other threads: autocast's cache is emptied when any thread leaves its
+last autocast context, so under `train-async`, with generation beside training, the gradients
+changed from run to run (17 distinct in 30 identical steps).
 """
 
 from __future__ import annotations
@@ -51,8 +58,10 @@ def shared_prompt_logprobs(
     no prompt repeats in `batch`, its prompt lengths are unknown, a prompt is a single token, or
     the model cannot run that way (no cache keyword, layers whose cache cannot be copied, or
     sharded parameters)."""
-    if batch.prompt_lens is None or _sharded(model) or not {"cache", "position_ids", "logits_to_keep"} <= set(
-        forward_parameters(model)
+    if (
+        batch.prompt_lens is None
+        or _sharded(model)
+        or not {"cache", "position_ids", "logits_to_keep"} <= set(forward_parameters(model))
     ):
         return None
     prompt_lens = batch.prompt_lens.tolist()
@@ -92,7 +101,7 @@ def shared_prompt_logprobs(
     targets = batch.input_ids.gather(1, columns + 1) * inside
 
     rows = torch.tensor(row_of, device=device)
-    with autocast(model):
+    with autocast(model, cache_casts=False):
         # the prompt pass needs no logits; transformers keeps all of them for 0, so keep one
         model(
             input_ids=prefix_ids,
