@@ -237,7 +237,7 @@ def test_bf16_gradients_do_not_depend_on_autocast_in_other_threads(tiny_hf):
     stop = threading.Event()
 
     def generate_beside() -> None:
-        ids = torch.randint(3, 40, (8, 12))
+        ids = torch.randint(3, 40, (1, 2))  # short contexts: many exits
         while not stop.is_set():
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
                 beside(input_ids=ids)
@@ -247,7 +247,7 @@ def test_bf16_gradients_do_not_depend_on_autocast_in_other_threads(tiny_hf):
     try:
         grads = {
             tuple(float(g.double().sum()) for g in _logprobs_and_grads(model, batch, weights)[2])
-            for _ in range(12)
+            for _ in range(100)
         }
     finally:
         stop.set()
