@@ -9,8 +9,8 @@ the samples' gradients into the prompt rows they share, so the log-probs, the lo
 gradients are the plain forward's to rounding (other matmul shapes sum in another order).
 
 This is the shared prefix of Prefix Grouper (2025), done with the model's own cache rather than
-a custom attention. It applies wherever a micro-batch repeats a prompt and the model takes a cache; otherwise
-(`shared_prompt_logprobs` returns None) the caller runs the plain forward. Sharded (FSDP2)
+a custom attention. It applies wherever a micro-batch repeats a prompt and the model takes a
+cache; otherwise (`shared_prompt_logprobs` returns None) the caller runs the plain forward. Sharded (FSDP2)
 models run the plain forward too: FSDP2 frees a module's gathered weights after its first
 backward, and the prompt pass's backward through the same module then read freed memory
 (a segmentation fault with torch 2.13 on gloo).
@@ -18,14 +18,16 @@ backward, and the prompt pass's backward through the same module then read freed
 In bf16 both passes cast each weight afresh (`autocast(..., cache_casts=False)`). With autocast's
 cast cache, one cast would serve both passes and sum their gradients in bf16 before the fp32
 weight; without it, each pass's gradient reaches the fp32 weight on its own. Which of the two
-happened depended on the other threads: autocast's cache is emptied when any thread leaves its
-last autocast context, so under `train-async`, with generation beside training, the gradients
-changed from run to run (17 distinct in 30 identical steps).
+happened depended on autocast in other threads (a model's autocast forwards in a thread beside
+training gave 17 distinct gradients in 30 identical steps; with none, or with only tiny autocast
+matmuls beside it, 1), so `train-async`, which generates beside training, did not resume bit
+for bit. How torch's cache reaches across threads was not pinned down.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 import torch
 
@@ -35,7 +37,7 @@ from mileage.training.batch import TrainBatch
 from mileage.training.logprobs import token_logprobs
 
 
-def forward_parameters(model) -> inspect.Signature:
+def forward_parameters(model) -> Mapping[str, inspect.Parameter]:
     """The keyword arguments `model`'s forward takes: for a PEFT model, its base model's (PEFT
     passes unknown keywords through to it)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
