@@ -43,6 +43,10 @@ ARGS = [
 ]  # fmt: skip
 
 
+# the trainer's bf16 LM head, so that engine and trainer log-probs agree (models/lm_head.py)
+SAME_HEAD = ("--no-fp32-lm-head",)
+
+
 def args_for(urls: list[str], num_rollout: int) -> list[str]:
     return [
         *ARGS,
@@ -54,8 +58,7 @@ def args_for(urls: list[str], num_rollout: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def servers(builtin_model):
-    # the trainer's bf16 LM head, so that engine and trainer log-probs agree (models/lm_head.py)
-    started = start_servers(builtin_model, 2, args=("--no-fp32-lm-head",))
+    started = start_servers(builtin_model, 2, args=SAME_HEAD)
     yield [s.url for s in started]
     for server in started:
         server.stop()
@@ -232,7 +235,8 @@ def test_n2_a_server_killed_mid_rollout_and_then_a_rank_resume_to_the_uninterrup
     checkpoint holds, and the same command (still naming the dead server) runs again: it goes
     on with the live one and lands on the uninterrupted run in every tensor."""
     save, _ = reference
-    (dying,) = start_servers(builtin_model, 1, env={"MILEAGE_SERVE_FAULT": "die:2"})
+    # the fixture servers' LM head: its first group's log-probs are the reference run's
+    (dying,) = start_servers(builtin_model, 1, env={"MILEAGE_SERVE_FAULT": "die:2"}, args=SAME_HEAD)
     try:
         killed = tmp_path / "killed"
         kills = [Kill.at("after_train", 2, rank=1)]
