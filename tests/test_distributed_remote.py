@@ -235,7 +235,9 @@ def test_n2_a_server_killed_mid_rollout_and_then_a_rank_resume_to_the_uninterrup
     checkpoint holds, and the same command (still naming the dead server) runs again: it goes
     on with the live one and lands on the uninterrupted run in every tensor."""
     save, _ = reference
-    # the fixture servers' LM head: its first group's log-probs are the reference run's
+    # the fixture servers' LM head: whether the group it answers before dying is kept or retried
+    # elsewhere depends on which of its two concurrent requests' threads runs first, so either
+    # way that group's log-probs must be the reference run's
     (dying,) = start_servers(builtin_model, 1, env={"MILEAGE_SERVE_FAULT": "die:2"}, args=SAME_HEAD)
     try:
         killed = tmp_path / "killed"
