@@ -24,7 +24,7 @@ from mileage.metrics import TIMING_KEYS, read_metrics
 from mileage.testing.compare import compare_runs
 from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
 from mileage.testing.kills import Kill
-from mileage.testing.servers import start_servers
+from mileage.testing.servers import SAME_HEAD_AS_TRAINER, start_servers
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +43,6 @@ ARGS = [
 ]  # fmt: skip
 
 
-# the trainer's bf16 LM head, so that engine and trainer log-probs agree (models/lm_head.py)
-SAME_HEAD = ("--no-fp32-lm-head",)
-
-
 def args_for(urls: list[str], num_rollout: int) -> list[str]:
     return [
         *ARGS,
@@ -58,7 +54,7 @@ def args_for(urls: list[str], num_rollout: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def servers(builtin_model):
-    started = start_servers(builtin_model, 2, args=SAME_HEAD)
+    started = start_servers(builtin_model, 2, args=SAME_HEAD_AS_TRAINER)
     yield [s.url for s in started]
     for server in started:
         server.stop()
@@ -238,7 +234,9 @@ def test_n2_a_server_killed_mid_rollout_and_then_a_rank_resume_to_the_uninterrup
     # the fixture servers' LM head: whether the group it answers before dying is kept or retried
     # elsewhere depends on which of its two concurrent requests' threads runs first, so either
     # way that group's log-probs must be the reference run's
-    (dying,) = start_servers(builtin_model, 1, env={"MILEAGE_SERVE_FAULT": "die:2"}, args=SAME_HEAD)
+    (dying,) = start_servers(
+        builtin_model, 1, env={"MILEAGE_SERVE_FAULT": "die:2"}, args=SAME_HEAD_AS_TRAINER
+    )
     try:
         killed = tmp_path / "killed"
         kills = [Kill.at("after_train", 2, rank=1)]

@@ -35,16 +35,13 @@ from mileage.rollout.rollout import PromptEncoder, generate_samples
 from mileage.testing.compare import compare_checkpoints, compare_runs
 from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
 from mileage.testing.kills import Kill
-from mileage.testing.servers import ServeProcess, start_servers
+from mileage.testing.servers import SAME_HEAD_AS_TRAINER, ServeProcess, start_servers
 
 # 32 samples a rollout in two optimizer steps, so a kill can land between them
 TRAIN = builtin_train_args("--global-batch-size", "16", "--rollout-shuffle")
 # the engine's log-probs against the trainer's recomputed ones: the same arithmetic on the same
 # weights agrees to float rounding; the weights of the rollout before are off by ~1e-2
 MISMATCH_TOLERANCE = 1e-4
-# so the servers' arithmetic is the trainer's in bf16 too: the trainer's LM head is bf16, and a
-# server's default fp32 head alone would put the log-probs ~1e-2 apart (models/lm_head.py)
-SAME_HEAD = ("--no-fp32-lm-head",)
 PROBE_SEED = 77
 
 
@@ -71,9 +68,12 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(builtin_model):
-    healthy = start_servers(builtin_model, 2, args=SAME_HEAD)
+    healthy = start_servers(builtin_model, 2, args=SAME_HEAD_AS_TRAINER)
     # started now, they load while the reference run trains instead of when their test comes
-    faulty = {f: ServeProcess(builtin_model, {"MILEAGE_SERVE_FAULT": f}, SAME_HEAD) for f in FAULTS}
+    faulty = {
+        f: ServeProcess(builtin_model, {"MILEAGE_SERVE_FAULT": f}, SAME_HEAD_AS_TRAINER)
+        for f in FAULTS
+    }
     yield Servers(healthy, faulty)
     for server in [*healthy, *faulty.values()]:
         server.stop()

@@ -14,6 +14,10 @@ import time
 from pathlib import Path
 
 _LISTENING = re.compile(r"listening on (http://\S+)")
+# `mileage serve` flags that make a server's arithmetic the trainer's in bf16: the trainer's LM
+# head is bf16, and a server's default fp32 head alone puts the log-probs ~1e-2 apart
+# (models/lm_head.py). Servers whose samples a test compares with a trainer's use them.
+SAME_HEAD_AS_TRAINER = ("--no-fp32-lm-head",)
 
 
 class ServeProcess:
