@@ -1,0 +1,118 @@
+"""One training forward and backward of a model in this process, timed: the pass the actor runs
+per micro-batch, without the rest of a run around it.
+
+P prompts of `--prompt-len` random tokens, G samples each with responses of about
+`--response-len` tokens (lengths differ by up to 2, as sampled ones do), the log-probs and the
+logged entropy through `sequence_logprobs` (each distinct prompt once, as the actor does, or
+every row whole with `--plain`), a token-mean loss, its backward. The precision is mileage's
+(`set_precision`: bf16 autocast over fp32 weights, or fp32). `--compile` compiles each decoder
+layer first (`layer.compile(dynamic=True)`, inductor) and reports how long that took.
+
+    python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision bf16
+    python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision bf16 --plain
+    python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision bf16 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from _common import DEFAULT_THREADS, machine_info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-dir", required=True, help="HF model directory")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=36)
+    p.add_argument("--response-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5, help="timed passes (after 2 untimed)")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    p.add_argument("--plain", action="store_true", help="every row whole: no shared prompts")
+    p.add_argument("--compile", action="store_true", help="compile each decoder layer first")
+    args = p.parse_args(argv)
+
+    from mileage.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the `mileage` process does
+    import torch
+
+    from mileage.models.hf import load_causal_lm
+    from mileage.precision import set_precision
+    from mileage.training.actor import sequence_logprobs
+
+    torch.set_num_threads(args.threads)
+    model = set_precision(load_causal_lm(args.model_dir), args.precision).train()
+    batch = random_batch(args, model.config.vocab_size)
+    if args.plain:
+        batch.prompt_lens = None  # the actor's plain forward
+
+    def one_pass() -> float:
+        start = time.perf_counter()
+        logp, _ = sequence_logprobs(model, batch, 1.0, with_entropy=True, entropy_grad=False)
+        loss = -(logp * batch.loss_mask).sum() / batch.loss_mask.sum()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    compile_s = None
+    if args.compile:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 64  # one graph per layer shape, not per layer
+        start = time.perf_counter()
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
+        one_pass()  # compiles forward and backward
+        compile_s = time.perf_counter() - start
+    for _ in range(2):
+        one_pass()
+    times = sorted(one_pass() for _ in range(args.repeats))
+    cpu = machine_info(args.threads)["cpu"]
+    mode = "plain" if args.plain else "each prompt once"
+    print(
+        f"{cpu['model']} ({', '.join(cpu['flags'])}), {args.threads} threads; {args.precision}, "
+        f"{args.prompts}x{args.samples} rows, {args.prompt_len}-token prompts, {mode}"
+        + (f", compiled in {compile_s:.0f} s" if compile_s is not None else "")
+    )
+    print("forward+backward s: " + " ".join(f"{t:.3f}" for t in times))
+    return 0
+
+
+def random_batch(args: argparse.Namespace, vocab: int):
+    import torch
+
+    from mileage.training.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(args.prompts):
+        prompt = torch.randint(100, vocab - 1, (args.prompt_len,), generator=g)
+        for s in range(args.samples):
+            response = torch.randint(100, vocab - 1, (args.response_len - s % 3,), generator=g)
+            rows.append(torch.cat([prompt, response]))
+    n, width = len(rows), max(len(r) for r in rows)
+    ids = torch.zeros((n, width), dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width - 1))
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+        attention[i, : len(row)] = 1
+        loss_mask[i, args.prompt_len - 1 : len(row) - 1] = 1
+    prompt_lens = torch.full((n,), args.prompt_len)
+    return TrainBatch(
+        ids,
+        attention,
+        loss_mask,
+        torch.zeros_like(loss_mask),
+        torch.zeros(n),
+        prompt_lens=prompt_lens,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
