@@ -9,11 +9,51 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# the range of a signed 64-bit integer: torch, numpy and the checkpoint's JSON readers hold every
+# integer flag in one, so a value past it overflows somewhere downstream (a --seed of 2**70 did)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def finite_float(text: str) -> float:
+    """argparse type of every float flag: a number, never nan or +-inf (which compare false
+    against every bound, so no range check after parsing could refuse them)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def int64(text: str) -> int:
+    """argparse type of every integer flag: an integer within the signed 64-bit range."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{text} does not fit a signed 64-bit integer (the range torch and the checkpoint "
+            f"files hold integers in): give a value from {INT64_MIN} to {INT64_MAX}"
+        )
+    return value
+
+
+# the argparse type each annotated type parses with (others parse with the type itself)
+PARSERS: dict[Any, Callable[[str], Any]] = {float: finite_float, int: int64}
+
+
+def _parser_of(kind: Any) -> Callable[[str], Any]:
+    return PARSERS.get(kind, kind)
 
 
 def option(
@@ -69,7 +109,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
                     name,
                     dest=field.name,
                     nargs=field.metadata["nargs"],
-                    type=item,
+                    type=_parser_of(item),
                     default=None,
                     help=field.metadata["help"],
                     metavar=item.__name__.upper(),
@@ -80,7 +120,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
                 name,
                 dest=field.name,
                 action="append",
-                type=item,
+                type=_parser_of(item),
                 default=None,
                 help=field.metadata["help"] + " (repeatable)",
                 metavar=item.__name__.upper(),
@@ -97,7 +137,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
         group.add_argument(
             name,
             dest=field.name,
-            type=kind,
+            type=_parser_of(kind),
             default=default,
             choices=field.metadata.get("choices"),
             help=field.metadata["help"],
