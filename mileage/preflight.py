@@ -26,7 +26,7 @@ from mileage.rollout.evaluation import check_eval_lengths
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, build_reward_fn
 from mileage.rollout.rollout import PromptEncoder
-from mileage.rollout.sizes import check_rollout_sizes
+from mileage.rollout.sizes import check_lora_rank, check_rollout_sizes, check_round_memory
 from mileage.rollout.vfenv import check_one_turn
 from mileage.run_config import RunConfig
 from mileage.tracking import check_tracking
@@ -122,6 +122,11 @@ def preflight(cfg: RunConfig) -> Preflight:
         rc.rollout_max_response_len,
         env.device() if local else None,
     )
+    if cfg.dynamic.enabled:
+        round_size = cfg.dynamic.round_size(rc.rollout_batch_size)
+        check_round_memory(round_size, rc.n_samples_per_prompt, rc.rollout_max_response_len)
+    if cfg.lora.enabled:
+        check_lora_rank(model_config, cfg.lora.lora_rank)
     flags = cfg.checkpoint.start_flags(hf_checkpoint_path(cfg), cfg.num_rollout(len(prompts)))
     ppo = cfg.algo.advantage_estimator == "ppo"
     precision, precision_note = resolve(cfg.precision.requested(), env.device())

@@ -23,6 +23,7 @@ from mileage.rollout.multiturn import MultiTurnConfig
 from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
 from mileage.rollout.shaping import ShapingConfig
+from mileage.rollout.sizes import check_thread_count
 from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
 from mileage.training.critic import CriticConfig
@@ -229,6 +230,7 @@ class RunConfig:
                     raise UserError(
                         f"{flag} must be {'positive' if positive else '>= 0'}, got {value}"
                     )
+        check_thread_count(self.loop.num_threads)
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self.optim, name)
             if not 0.0 <= value < 1.0:

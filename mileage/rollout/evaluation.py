@@ -36,7 +36,7 @@ from mileage.rollout.engines.base import Engine, SamplingParams, SamplingSeed
 from mileage.rollout.journal import ToolJournal
 from mileage.rollout.rewards import RewardFn, score_all
 from mileage.rollout.rollout import PromptEncoder, RolloutConfig, Sample
-from mileage.rollout.sizes import context_length, length_problem, prompt_over
+from mileage.rollout.sizes import check_eval_memory, context_length, length_problem, prompt_over
 from mileage.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -92,6 +92,9 @@ def check_eval_lengths(
     problem = length_problem(config, 0, max_new_tokens, flag)
     if problem:
         raise UserError(problem)
+    if eval_sets:
+        largest = max(len(s.prompts) for s in eval_sets)
+        check_eval_memory(largest, cfg.n_samples_per_eval_prompt, max_new_tokens)
     context = context_length(config)
     if context is None:
         return

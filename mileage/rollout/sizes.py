@@ -163,3 +163,63 @@ def check_rollout_sizes(
             f"samples of up to {tokens} tokens need about {gib(need)} of memory per rollout, "
             f"more than this machine's {gib(have)}"
         )
+
+
+def samples_memory_problem(samples: int, tokens: int, what: str) -> str | None:
+    """Why `samples` sampled answers of up to `tokens` tokens each (described by `what`, the
+    flags that make them) cannot be held in this machine's memory at once."""
+    need, have = samples * tokens * BYTES_PER_SAMPLE_TOKEN, memory_bytes(torch.device("cpu"))
+    if need <= have:
+        return None
+    return (
+        f"{what} = {samples} samples of up to {tokens} tokens need about {gib(need)} of memory, "
+        f"more than this machine's {gib(have)}"
+    )
+
+
+def check_eval_memory(largest_set: int, n_samples: int, max_new_tokens: int) -> None:
+    """Refuse an evaluation whose answers to its largest dataset cannot fit in memory (they are
+    held all at once, to compute pass@k)."""
+    what = f"--n-samples-per-eval-prompt {n_samples} x the {largest_set} prompts of a dataset"
+    problem = samples_memory_problem(largest_set * n_samples, max_new_tokens + 1, what)
+    if problem:
+        raise UserError(problem)
+
+
+def check_round_memory(round_size: int, n_samples: int, max_new_tokens: int) -> None:
+    """Refuse a dynamic-sampling round (--over-sampling-batch-size prompts) that cannot fit."""
+    what = f"--over-sampling-batch-size {round_size} x --n-samples-per-prompt {n_samples}"
+    problem = samples_memory_problem(round_size * n_samples, max_new_tokens + 1, what)
+    if problem:
+        raise UserError(problem)
+
+
+# more torch threads than this many per CPU only wait on each other (docs/benchmarks.md: two
+# processes of 2 threads on 2 cores ran 10-40x slower), and OpenMP cannot start tens of
+# thousands of them at all: `--num-threads 100000` crashed the process (a segfault) instead of
+# failing; a few per CPU are left for a run resumed on a smaller machine with its thread count
+THREADS_PER_CPU = 4
+
+
+def check_thread_count(num_threads: int, flag: str = "--num-threads") -> None:
+    cpus = os.cpu_count() or 1
+    limit = THREADS_PER_CPU * cpus
+    if num_threads > limit:
+        raise UserError(
+            f"{flag} {num_threads} is more than {THREADS_PER_CPU} threads per CPU of this "
+            f"machine's {cpus} ({limit}): more only wait on each other, and thousands cannot "
+            "be started at all"
+        )
+
+
+def check_lora_rank(config: Mapping, rank: int) -> None:
+    """Refuse a LoRA rank above the model's hidden size: the update B @ A of an adapted d x k
+    weight has rank at most min(d, k) <= hidden_size, so a larger rank adds parameters (r x (d +
+    k) per weight, more than the weight itself) and memory without adding anything."""
+    hidden = config.get("hidden_size") or config.get("n_embd")
+    if isinstance(hidden, int) and rank > hidden:
+        raise UserError(
+            f"--lora-rank {rank} is more than the model's hidden_size {hidden} (its config): an "
+            "adapter cannot have a rank above the smaller side of the weight it adapts; use at "
+            f"most {hidden}"
+        )
