@@ -26,7 +26,7 @@ from mileage.checkpoint.store import (
     CheckpointState,
     CheckpointWriteError,
     read_json,
-    verify_checkpoint,
+    require_intact,
 )
 from mileage.checkpoint.tensors import (
     load_model_weights,
@@ -39,7 +39,6 @@ from mileage.distributed import env
 from mileage.distributed.checkpoint import ShardedCheckpointWriter, rng_of_this_rank
 from mileage.distributed.coordination import stop_together
 from mileage.distributed.setup import distribute_run, load_on_rank0
-from mileage.errors import UserError
 from mileage.metrics import MetricsLog
 from mileage.models.hf import (
     empty_causal_lm,
@@ -122,14 +121,27 @@ class Run:
         return next(self.model.parameters()).device
 
 
+def verify_sources(sources: list[tuple[str | None, str | None]]) -> None:
+    """Every native checkpoint among (path, format) `sources`, each verified once as a whole
+    (`store.require_intact`) before any of its parts loads: the loaders after it trust the bytes."""
+    seen = set()
+    for path, fmt in sources:
+        if path and fmt == "native" and Path(path).resolve() not in seen:
+            seen.add(Path(path).resolve())
+            require_intact(path)
+
+
+def _plan_sources(plan: ResumePlan, reference: tuple[str | None, str | None]) -> list:
+    """What a run reads: the plan's weights (a resume: also its optimizer, RNG, trainer state,
+    buffer and kept old actors), the reference or LoRA base, and PPO's critic checkpoint."""
+    critic = (plan.critic_from, "native") if plan.critic else (None, None)
+    return [(plan.weights_from, plan.weights_format), reference, critic]
+
+
 def _load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
+    """The weights at `path`; a native checkpoint must have passed `verify_sources` first."""
     if fmt == "hf":
         return load_causal_lm(path)
-    problems = verify_checkpoint(path)
-    if problems:
-        raise UserError(
-            f"checkpoint {path} is corrupt: {problems[0]}; choose another with --ckpt-step"
-        )
     model = empty_causal_lm(config_dir)
     load_model_weights(path, model)
     return model
@@ -184,6 +196,9 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     ref_path, ref_fmt = None, None
     if cfg.lora.enabled or cfg.algo.needs_reference:  # a LoRA base is the reference's source
         ref_path, ref_fmt = reference_source(flags, gather_disk_state(flags, None))
+    # the one integrity check of everything this run restores, before anything loads
+    sources = _plan_sources(plan, (ref_path, ref_fmt))
+    stop_together(lambda: verify_sources(sources) if env.is_main() else None)
     reference, lora = None, None
     if cfg.lora.enabled:
         lora = build_lora_policy(

@@ -328,6 +328,20 @@ def _greedy(model, prompt: torch.Tensor, steps: int) -> tuple[list[int], torch.T
     return ids[0, prompt.shape[1] :].tolist(), torch.cat(logps, dim=1)
 
 
+def test_mileage_eval_of_a_lora_run_reproduces_the_logged_evaluation(reference, capsys):
+    """`mileage eval --load` rebuilds the recorded base with the adapter (it once needed full
+    weights: "lacks 38 tensors the model needs") and draws as training's evaluation did."""
+    evaluated = [r for r in rollout_records(reference) if any(k.startswith("eval/") for k in r)]
+    assert evaluated, "the reference logs an evaluation after some rollout"
+    record = evaluated[0]
+    step = str(record["rollout_id"])
+    assert main(["eval", *ARGS, "--load", str(reference), "--ckpt-step", step, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rollout_id"] == record["rollout_id"]
+    logged = {k: v for k, v in record.items() if k.startswith("eval")}
+    assert result["metrics"] == logged and "eval/addition" in logged
+
+
 def test_merged_and_adapter_exports_generate_as_the_trainer(reference, builtin_model, tmp_path):
     import peft
 

@@ -301,7 +301,8 @@ def read_json(checkpoint: str | Path, name: str) -> dict:
 
 
 def verify_checkpoint(checkpoint: str | Path) -> list[str]:
-    """Problems found by re-hashing every file against the manifest ([] = intact)."""
+    """Problems found by re-hashing every file against the manifest ([] = intact); each names
+    the file and, in parentheses, the part of the run it holds (`part_of`)."""
     checkpoint = Path(checkpoint)
     info = inspect_checkpoint(checkpoint)
     if not info.complete:
@@ -312,11 +313,55 @@ def verify_checkpoint(checkpoint: str | Path) -> list[str]:
     # hashlib releases the GIL, so files hash in parallel on all cores
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         digests = list(pool.map(file_sha256, paths))
+    lora = "lora" in info.meta
     return [
-        f"{path}: checksum mismatch"
-        for path, digest, entry in zip(paths, digests, manifest["files"].values(), strict=True)
+        f"{path}: checksum mismatch ({part_of(name, lora)})"
+        for path, digest, (name, entry) in zip(
+            paths, digests, manifest["files"].items(), strict=True
+        )
         if digest != entry["sha256"]
     ]
 
 
-__all__ = ["RELEASE", "CheckpointState", "commit_checkpoint", "verify_checkpoint"]
+# The first component of a manifest entry -> the part of the run it restores, so a refusal says
+# what is damaged (the rollout buffer of dynamic sampling and train-async lives in the trainer
+# state).
+PARTS = {
+    MODEL_DIR: "model weights",
+    OPTIMIZER_DIR: "optimizer state",
+    CRITIC_DIR: "PPO critic",
+    RNG_FILE: "RNG state",
+    OLD_ACTOR_FILE: "kept old-actor weights (--keep-old-actor)",
+    TRAINER_STATE: "trainer state (counters, data position, rollout buffer)",
+    META: "checkpoint metadata",
+}
+
+
+def part_of(name: str, lora: bool = False) -> str:
+    """The part of a run that the checkpoint file `name` (relative, as in the manifest) holds."""
+    head = name.split("/", 1)[0]
+    if head == MODEL_DIR and lora:
+        return "LoRA adapter"
+    return PARTS.get(head, name)
+
+
+def require_intact(checkpoint: str | Path) -> None:
+    """The one integrity check every restore goes through, before any part of `checkpoint` is
+    loaded: every file its manifest lists (model or adapter, optimizer, critic, RNG, kept old
+    actors, trainer state) is re-hashed, and the first damaged one refuses the start in one
+    line naming its part. A loader never decides on its own whether to check: damage found
+    only when a loader unpickles it surfaced as a torch traceback, or not at all."""
+    problems = verify_checkpoint(checkpoint)
+    if problems:
+        raise UserError(
+            f"checkpoint {checkpoint} is corrupt: {problems[0]}; choose another with --ckpt-step"
+        )
+
+
+__all__ = [
+    "RELEASE",
+    "CheckpointState",
+    "commit_checkpoint",
+    "require_intact",
+    "verify_checkpoint",
+]

@@ -1,4 +1,4 @@
-"""`mileage eval --load RUN`: evaluate a checkpoint without training.
+"""`mileage eval --load RUN` (or `--hf-checkpoint DIR`): evaluate a checkpoint without training.
 
 It takes `train`'s flags, so the evaluation flags of a training command (`--eval-prompt-data`,
 `--n-samples-per-eval-prompt`, `--eval-temperature`, ...) mean the same here. The checkpoint is
@@ -7,7 +7,9 @@ line, no lock, no tracker points) and nowhere else; the metrics go to stdout.
 
 A sampled evaluation of iter_N draws with the seeds training's evaluation after rollout N drew
 (`evaluation.eval_seed`), so on the same machine and flags it reproduces that record's
-eval/... values.
+eval/... values. A LoRA checkpoint is its recorded base with its adapter, as training generated
+with it. `--hf-checkpoint DIR` without `--load` evaluates an HF directory (e.g. one `export-hf`
+wrote); `--ckpt-step K` then draws with the seeds of training's evaluation after rollout K.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def _recorded_task(args: argparse.Namespace) -> str | None:
 def evaluate_checkpoint(cfg, log) -> dict:
     """{"checkpoint", "rollout_id", "metrics"} of the checkpoint --load/--ckpt-step selects."""
     from mileage.checkpoint.meta import recorded_model_dir, recorded_source, selected_checkpoint
-    from mileage.components import _load_weights
     from mileage.models.hf import load_tokenizer, read_config_json
+    from mileage.precision import set_precision
     from mileage.rollout.agent import DEFAULT_CONTEXT, Agent, load_user_functions
     from mileage.rollout.data import load_eval_sets, task_reward
     from mileage.rollout.engines.factory import build_engine
@@ -77,9 +79,14 @@ def evaluate_checkpoint(cfg, log) -> dict:
     from mileage.seeding import configure_determinism
 
     ck = cfg.checkpoint
-    if not ck.load:
-        raise UserError("mileage eval needs --load RUN (a save directory) to evaluate")
-    checkpoint = selected_checkpoint(ck.load, ck.ckpt_step, "--ckpt-step")
+    if not ck.load and not ck.hf_checkpoint:
+        raise UserError(
+            "mileage eval needs --load RUN (a save directory) or --hf-checkpoint DIR to evaluate"
+        )
+    if ck.load:
+        checkpoint = selected_checkpoint(ck.load, ck.ckpt_step, "--ckpt-step")
+    else:
+        checkpoint = Path(ck.hf_checkpoint)
     if not checkpoint.is_dir():
         raise UserError(f"{checkpoint} does not exist")
     ignored = [
@@ -94,7 +101,7 @@ def evaluate_checkpoint(cfg, log) -> dict:
     ]
     if ignored:
         log(f"mileage eval writes nothing: ignoring {', '.join(ignored)}")
-    source = recorded_source(checkpoint) or {}
+    source = (recorded_source(checkpoint) or {}) if ck.load else {}
     data = cfg.data
     if source.get("builtin_task") and not data.prompt_data:
         # the default held-out set is the task the checkpoint was trained on
@@ -110,9 +117,9 @@ def evaluate_checkpoint(cfg, log) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     encode = PromptEncoder(tokenizer, data.apply_chat_template)
     check_eval_lengths(read_config_json(config_dir), encode, eval_sets, cfg.eval, cfg.rollout)
-    model = _load_weights(str(checkpoint), "native", config_dir)
-    meta = json.loads((checkpoint / "meta.json").read_text())
-    rollout_id = meta.get("rollout_id")
+    model, meta = _policy(checkpoint, config_dir, bool(ck.load), log)
+    set_precision(model, _precision(cfg, meta), cfg.precision.fp32_lm_head)
+    rollout_id = meta.get("rollout_id") if ck.load else ck.ckpt_step
     engine = build_engine(
         cfg.engine, model, tokenizer.pad_token_id, tokenizer.eos_token_id, config_dir, log
     )
@@ -148,6 +155,43 @@ def evaluate_checkpoint(cfg, log) -> dict:
             agent.close()
         engine.close()
     return {"checkpoint": str(Path(checkpoint)), "rollout_id": rollout_id, "metrics": metrics}
+
+
+def _precision(cfg, meta: dict) -> str:
+    """The precision training computed in, as the checkpoint records it (fp32 before the
+    record), unless --precision/--bf16 ask for one; an HF directory's: --precision resolved."""
+    import torch
+
+    from mileage.precision import resolve
+
+    requested = cfg.precision.requested()
+    if requested == "auto" and meta:
+        return meta.get("precision", "fp32")
+    return resolve(requested, torch.device("cpu"))[0]
+
+
+def _policy(checkpoint: Path, config_dir: str, native: bool, log):
+    """(the model training generated with, the checkpoint's meta.json or {} for an HF
+    directory); a native checkpoint (and a LoRA checkpoint's native base) is verified first."""
+    from mileage.checkpoint.meta import recorded_lora
+    from mileage.components import _load_weights, verify_sources
+    from mileage.models.hf import load_causal_lm
+
+    if not native:
+        return load_causal_lm(checkpoint), {}
+    sources = [(str(checkpoint), "native")]
+    lora = recorded_lora(checkpoint)
+    if lora is not None:
+        from mileage.training.lora import recorded_base, restore_recorded_policy
+
+        sources.append(recorded_base(str(checkpoint), lora))
+    verify_sources(sources)
+    load = lambda path, fmt: _load_weights(path, fmt, config_dir)  # noqa: E731
+    if lora is not None:
+        model = restore_recorded_policy(str(checkpoint), load, log).model
+    else:
+        model = load(str(checkpoint), "native")
+    return model, json.loads((checkpoint / "meta.json").read_text())
 
 
 def describe(result: dict) -> str:

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from mileage.checkpoint.plan import COMPLETE, RESUME, ResumePlan
 from mileage.checkpoint.store import TRAINER_STATE, remove_leftovers
@@ -25,9 +26,13 @@ def reuse_line(plan: ResumePlan, asynchronous: bool = True) -> str | None:
     sampling's; `asynchronous`: the run uses it), if any."""
     if plan.action != RESUME or not plan.load_data_state:
         return None
-    line = describe_saved(plan.weights_from, TRAINER_STATE)
-    if line is None or asynchronous:
-        return line if line is None else line + kept_weights(plan.weights_from)
+    try:
+        line = describe_saved(plan.weights_from, TRAINER_STATE)
+        if line is None or asynchronous:
+            return line if line is None else line + kept_weights(plan.weights_from)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
+        # damaged bytes: build_run's verification of the checkpoint refuses them in one line
+        return f"  note: the rollout buffer of {plan.weights_from} is unreadable"
     return (
         "  note: the checkpoint holds a rollout buffer (of train-async or dynamic sampling); "
         "`mileage train` without dynamic sampling generates on-policy and leaves it unused "

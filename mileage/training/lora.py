@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from mileage.checkpoint.layout import META
 from mileage.checkpoint.meta import recorded_lora
 from mileage.checkpoint.tensors import MODEL_DIR, load_tensors, model_tensors, tensor_digest
 from mileage.errors import UserError
@@ -127,3 +128,43 @@ def build_lora_policy(
         f"parameters train ({100 * trainable / total:.2f}%)"
     )
     return policy
+
+
+def recorded_config(record: dict) -> LoraConfig:
+    """The LoRA flags a checkpoint's `lora` entry records."""
+    return LoraConfig(
+        lora_rank=record["lora_rank"],
+        lora_alpha=record["lora_alpha"],
+        lora_dropout=record["lora_dropout"],
+        target_modules=",".join(record["target_modules"]),
+    )
+
+
+def recorded_base(checkpoint: str, record: dict) -> tuple[str, str]:
+    """(path, format) of the base a LoRA checkpoint's `lora` entry records: an HF directory, or
+    in raw mode a native release/iteration."""
+    path = Path(record["base"]["path"])
+    if (path / "config.json").is_file():
+        return str(path), "hf"
+    if (path / META).is_file():
+        return str(path), "native"
+    raise UserError(f"{checkpoint} is an adapter of {path}, which no longer exists")
+
+
+def restore_recorded_policy(
+    checkpoint: str, load_weights: Callable[[str, str], torch.nn.Module], log
+) -> LoraPolicy:
+    """A LoRA checkpoint's policy as training generated with it (`mileage eval`): its recorded
+    base (checked against the recorded digest) with the checkpoint's adapter, unmerged; merged
+    weights (W + B @ A * scale) differ in the last bits, so sampled answers would not repeat."""
+    record = recorded_lora(checkpoint)
+    assert record is not None, checkpoint
+    return build_lora_policy(
+        recorded_config(record),
+        0,  # the adapter's initialisation seed: every adapter tensor is then loaded
+        (checkpoint, "native"),
+        recorded_base(checkpoint, record),
+        True,
+        load_weights,
+        log,
+    )
