@@ -39,7 +39,7 @@ def configure_determinism(seed: int, num_threads: int) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     # Deterministic mode also fills every new tensor with NaN, a debugging aid that shows reads
     # of uninitialised memory; it does not make any kernel more deterministic. It is one more
-    # pass over every activation, gradient and KV cache (the session-11 profile charged aten::
+    # pass over every activation, gradient and KV cache (the profile at 78fc734 charged aten::
     # fill_ with 24 % of the SmolLM2 train phase, mostly the page faults of the fresh memory it
     # touched first: mileage/allocator.py).
     torch.utils.deterministic.fill_uninitialized_memory = False
