@@ -20,6 +20,10 @@ Endpoints (the SGLang request and reply shapes, the subset mileage uses):
 - `POST /init_weights_update_group` and `POST /update_weights_from_distributed`: SGLang's
   weight transfer over a collective, in buckets: `mileage/serve_broadcast.py`.
 
+Every field of a request is checked before the server acts on it (`mileage/serve_requests.py`):
+a request it cannot take gets HTTP 400 with `{"error": "<field>: expected ..."}`, and a body that
+is too large (413) or does not arrive (408) is answered too, within a bound.
+
 Requests run one at a time, with a fixed thread count and deterministic algorithms, and a row
 with a `sampling_seed` draws from its own generator seeded with it: its sample is a function of
 (weights, prompt, params, seed) alone, so a resumed run through `mileage serve` reproduces an
@@ -35,7 +39,9 @@ import argparse
 import json
 import os
 import signal
+import sys
 import threading
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -43,18 +49,22 @@ import torch
 from mileage.errors import UserError
 from mileage.models.hf import load_causal_lm, load_tokenizer
 from mileage.precision import BF16, FP32, resolve, set_precision, torch_dtype_name
-from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
+from mileage.rollout.engine import Completion, LocalEngine
 from mileage.rollout.sizes import kv_cache_problem, length_problem
 from mileage.seeding import configure_determinism
 from mileage.serve_broadcast import BroadcastEndpoints
-from mileage.serve_lora import AdapterEndpoints, lora_name_of
+from mileage.serve_lora import AdapterEndpoints
+from mileage.serve_requests import (
+    BODY_TIMEOUT_S,
+    BodyError,
+    RequestError,
+    parse_generate,
+    parse_weight_update,
+    read_json_body,
+    version_label,
+)
 
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "sampling_seed", "top_k", "n"}
-
-
-class RequestError(ValueError):
-    """The request asks for something malformed or unsupported (HTTP 400)."""
-
+__all__ = ["EngineServer", "RequestError", "Server", "make_handler", "register", "serve"]
 
 # `--dtype` as vLLM and SGLang spell it -> mileage's precision names
 DTYPES = {"auto": "auto", "float32": FP32, "bfloat16": BF16}
@@ -79,6 +89,7 @@ class EngineServer:
         self.engine = LocalEngine(model, pad, eos)
         self.weight_version = "default"
         self.vocab_size = self.engine.model.config.vocab_size
+        self.architecture = type(model).__name__
         self.model_config = self.engine.model.config.to_dict()
         self.generate_count = 0
         self.broadcast = BroadcastEndpoints(self)
@@ -87,30 +98,43 @@ class EngineServer:
         self.fault = (kind, int(count)) if kind else None
 
     def update_weights(self, body: dict) -> dict:
-        path = body.get("model_path")
-        if not isinstance(path, str):
-            raise RequestError("model_path must be a string")
+        path, version = parse_weight_update(body)
         with self.lock:
             try:
                 model = load_causal_lm(path)
             except UserError as exc:
                 return {"success": False, "message": str(exc), "num_paused_requests": 0}
+            self._refuse_another_model(path, model)
             self.lora.adapters.reset()  # they were injected into the model being replaced
             self.engine.update_weights(set_precision(model, self.precision, self.fp32_lm_head))
             self.model_path = path
-            if body.get("weight_version") is not None:
-                self.weight_version = str(body["weight_version"])
+            self.model_config = model.config.to_dict()  # its context, for the length checks
+            if version is not None:
+                self.weight_version = version
         return {
             "success": True,
             "message": "Succeeded to update model weights.",
             "num_paused_requests": 0,
         }
 
+    def _refuse_another_model(self, path: str, model: torch.nn.Module) -> None:
+        """New weights must be the served model's: the tokenizer (token ids in, text out) and
+        the vocabulary checks of requests stay, so another vocabulary would make every later
+        request fail or decode wrong. Refused, the old weights keep serving."""
+        for what, served, new in (
+            ("vocab_size", self.vocab_size, model.config.vocab_size),
+            ("architecture", self.architecture, type(model).__name__),
+        ):
+            if new != served:
+                raise RequestError(
+                    f"model_path: {path} has {what} {new}, the served model's is {served}; "
+                    f"a weight update keeps the model, so start a server for the other one"
+                )
+
     def update_weight_version(self, body: dict) -> dict:
-        if not isinstance(body.get("new_version"), (str, int)):
-            raise RequestError("new_version must be a string")
+        version = version_label(body.get("new_version"), "new_version")
         with self.lock:
-            self.weight_version = str(body["new_version"])
+            self.weight_version = version
         return {"success": True, "message": f"weight version {self.weight_version}"}
 
     def server_info(self) -> dict:
@@ -134,21 +158,14 @@ class EngineServer:
         }
 
     def generate(self, body: dict) -> dict | list:
-        input_ids = body.get("input_ids")
-        if input_ids is None:
-            raise RequestError("mileage serve takes input_ids (token ids), not text")
-        single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
-        rows = [input_ids] if single else input_ids
-        if not rows or not all(
-            isinstance(r, list)
-            and r
-            and all(isinstance(t, int) and 0 <= t < self.vocab_size for t in r)
-            for r in rows
-        ):
-            raise RequestError("input_ids must be non-empty lists of token ids in the vocabulary")
-        params, generators = self._sampling(body.get("sampling_params") or {}, len(rows))
+        request = parse_generate(body, self.vocab_size)
+        rows, params, adapter = request.rows, request.params, request.adapter
         self._check_sizes(rows, params.max_new_tokens)
-        adapter = lora_name_of(body, len(rows))
+        seeds = request.seeds
+        if seeds is None:
+            generators = torch.Generator().manual_seed(torch.seed())
+        else:
+            generators = [torch.Generator().manual_seed(seed) for seed in seeds]
         with self.lock:
             self.generate_count += 1
             self._maybe_fail()
@@ -158,7 +175,7 @@ class EngineServer:
         outputs = [self._output(c, version) for c in completions]
         if self.fault and self.fault[0] == "garbage" and self.generate_count >= self.fault[1]:
             outputs = [{"meta_info": {"output_token_logprobs": "garbage"}} for _ in outputs]
-        return outputs[0] if single else outputs
+        return outputs[0] if request.single else outputs
 
     def _check_sizes(self, rows: list[list[int]], max_new_tokens: int) -> None:
         """Refuse before generating what cannot fit the context or the device's memory (SGLang
@@ -186,36 +203,6 @@ class EngineServer:
         if self.fault[0] == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
 
-    def _sampling(self, sampling, count: int):
-        per_row = sampling if isinstance(sampling, list) else [sampling] * count
-        if len(per_row) != count or not all(isinstance(s, dict) for s in per_row):
-            raise RequestError("sampling_params must be a dict or one dict per input")
-        for s in per_row:
-            unknown = set(s) - SAMPLING_KEYS
-            if unknown:
-                raise RequestError(f"mileage serve does not support {sorted(unknown)}")
-            if s.get("top_k", -1) not in (-1, None) or s.get("n", 1) != 1:
-                raise RequestError("mileage serve supports top_k=-1 and n=1 only")
-        shapes = {
-            (s.get("max_new_tokens", 128), s.get("temperature", 1.0), s.get("top_p", 1.0))
-            for s in per_row
-        }
-        if len(shapes) != 1:
-            raise RequestError(
-                "all rows of one request need the same max_new_tokens/temperature/top_p"
-            )
-        max_new, temperature, top_p = shapes.pop()
-        if not (isinstance(max_new, int) and max_new > 0 and temperature >= 0 and 0 < top_p <= 1):
-            raise RequestError("need max_new_tokens > 0, temperature >= 0, 0 < top_p <= 1")
-        seeds = [s.get("sampling_seed") for s in per_row]
-        if all(seed is None for seed in seeds):
-            generators = torch.Generator().manual_seed(torch.seed())
-        elif all(isinstance(seed, int) for seed in seeds):
-            generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        else:
-            raise RequestError("give sampling_seed for every row of a request or for none")
-        return SamplingParams(max_new, float(temperature), float(top_p)), generators
-
     def _output(self, c: Completion, version: str) -> dict:
         finish = (
             {"type": "stop", "matched": self.engine.eos_id}
@@ -238,7 +225,9 @@ class EngineServer:
         }
 
 
-def make_handler(server: EngineServer):
+def make_handler(server: EngineServer, body_timeout: float = BODY_TIMEOUT_S):
+    """The HTTP side; `body_timeout`: seconds a request's whole body may take to arrive."""
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -285,13 +274,18 @@ def make_handler(server: EngineServer):
                 self._send(404, {"error": f"no route {self.path}"})
                 return
             try:
-                length = int(self.headers.get("Content-Length", 0))
-                body = json.loads(self.rfile.read(length) or b"{}")
-                if not isinstance(body, dict):
-                    raise RequestError("the request body must be a JSON object")
+                body = read_json_body(self.headers, self.rfile, self.connection, body_timeout)
                 reply = route(body)
-            except (RequestError, ValueError) as exc:
-                self._send(400, {"error": str(exc)})
+            except BodyError as exc:
+                self.close_connection = True  # the rest of the body would read as a request
+                self._send(exc.status, {"error": str(exc)})
+                return
+            except ValueError as exc:  # RequestError, and the endpoints' own refusals
+                self._send(getattr(exc, "status", 400), {"error": str(exc)})
+                return
+            except Exception as exc:  # a bug: answered (500), not a connection dropped unanswered
+                traceback.print_exc(file=sys.stderr)
+                self._send(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
                 return
             self._send(200, reply)
 
@@ -346,6 +340,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+# more torch threads than 4 per CPU only wait on each other (and a typo could start thousands)
+MAX_THREADS = 4 * (os.cpu_count() or 1)
+
+
+def _int_in(low: int, high: int, what: str, hint: str):
+    """An argparse type: an integer in [low, high], or one line (`mileage: error: ...`)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: {hint}")
+        return value
+
+    return parse
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "serve", help="serve a model over SGLang's native HTTP API (/generate, weight reloads)"
@@ -353,10 +366,16 @@ def register(sub) -> None:
     parser.add_argument("--hf-checkpoint", required=True, help="HF model directory to serve")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument(
-        "--port", type=int, default=30000, help="port (default 30000; 0 picks a free one)"
+        "--port",
+        type=_int_in(0, 65535, "a port number", "give 1..65535, or 0 for a free one"),
+        default=30000,
+        help="port (default 30000; 0 picks a free one)",
     )
     parser.add_argument(
-        "--num-threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)"
+        "--num-threads",
+        type=_int_in(1, MAX_THREADS, "a thread count", f"give 1..{MAX_THREADS} (4 per CPU here)"),
+        default=1,
+        help="torch CPU threads (fixed for reproducibility)",
     )
     parser.add_argument(
         "--dtype",

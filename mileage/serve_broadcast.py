@@ -19,10 +19,40 @@ from typing import Any
 import torch
 
 from mileage.models.tensors import model_tensors
+from mileage.serve_requests import version_label
 
 
 class WeightUpdateError(ValueError):
     """A request the server cannot parse (HTTP 400)."""
+
+
+def _int_field(body: dict, key: str, low: int, high: int) -> int:
+    value = body.get(key)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)  # SGLang's clients may send a port as a string
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise WeightUpdateError(f"{key}: expected an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _tensor_specs(names, dtypes, shapes) -> list[tuple[str, torch.dtype, list[int]]]:
+    """What each broadcast tensor will be, checked before joining the collective (a malformed
+    spec cannot be received, and a receive cannot be undone)."""
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        raise WeightUpdateError("names, dtypes and shapes must be lists")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise WeightUpdateError("names, dtypes and shapes must have one entry per tensor")
+    specs = []
+    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+        kind = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+        if not isinstance(name, str):
+            raise WeightUpdateError(f"names[{i}]: expected a tensor name, got {name!r}")
+        if not isinstance(kind, torch.dtype):
+            raise WeightUpdateError(f"dtypes[{i}]: expected a torch dtype name, got {dtype!r}")
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+            raise WeightUpdateError(f"shapes[{i}]: expected a list of sizes, got {shape!r}")
+        specs.append((name, kind, shape))
+    return specs
 
 
 class BroadcastEndpoints:
@@ -36,14 +66,14 @@ class BroadcastEndpoints:
     def init_group(self, body: dict) -> dict:
         from mileage.rollout.engines.broadcast import join_group
 
-        try:
-            address, port = str(body["master_address"]), int(body["master_port"])
-            rank, world_size = int(body["rank_offset"]), int(body["world_size"])
-            name, backend = str(body["group_name"]), str(body.get("backend", "gloo"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WeightUpdateError(
-                f"init_weights_update_group: bad or missing field {exc}"
-            ) from None
+        address, name = body.get("master_address"), body.get("group_name")
+        if not (isinstance(address, str) and address and isinstance(name, str) and name):
+            raise WeightUpdateError("master_address and group_name must be non-empty strings")
+        port = _int_field(body, "master_port", 1, 65535)
+        world_size = _int_field(body, "world_size", 2, 1 << 20)
+        # rank 0 is the trainer's: it hosts the group's store
+        rank = _int_field(body, "rank_offset", 1, world_size - 1)
+        backend = str(body.get("backend", "gloo"))
         if backend != "gloo":
             return {
                 "success": False,
@@ -62,19 +92,18 @@ class BroadcastEndpoints:
     def update(self, body: dict) -> dict:
         import torch.distributed as dist
 
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        group = self.groups.get(body.get("group_name"))
+        specs = _tensor_specs(body.get("names"), body.get("dtypes"), body.get("shapes"))
+        version = body.get("weight_version")
+        version = None if version is None else version_label(version, "weight_version")
+        group_name = body.get("group_name")
+        group = self.groups.get(group_name) if isinstance(group_name, str) else None
         if group is None:
-            raise WeightUpdateError(f"no weight-update group {body.get('group_name')!r}")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise WeightUpdateError("names, dtypes and shapes must be lists")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise WeightUpdateError("names, dtypes and shapes must have one entry per tensor")
+            raise WeightUpdateError(f"no weight-update group {group_name!r}")
         with self.server.lock:
             self.server.lora.drop_all()  # full weights: the plain model's names, no adapter on top
             received = {}
-            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            for name, dtype, shape in specs:
+                tensor = torch.empty(shape, dtype=dtype)
                 dist.broadcast(tensor, src=0, group=group)  # every tensor, even a bad one
                 received[name] = tensor
             params = self.server.engine.model.state_dict()
@@ -100,5 +129,5 @@ class BroadcastEndpoints:
             self.pending |= set(received)
             if done:
                 self.pending.clear()
-                self.server.weight_version = str(body["weight_version"])
+                self.server.weight_version = version
         return {"success": True, "message": f"loaded {len(received)} tensors"}

@@ -137,10 +137,18 @@ class ServedAdapters:
             self.peft_model.unload()
             self.peft_model = None
         else:
-            self.peft_model.delete_adapter(name)
+            # PEFT warns (UserWarning, on every adapter sync: the old adapter was the active
+            # one) when the deleted adapter is active, then activates the first one left. That
+            # choice is harmless here: every request activates its own adapter (`active`). So
+            # this filter is scoped to the deletion and to exactly that message.
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", r"Adapter .* was active which is now deleted", UserWarning
+                )
+                self.peft_model.delete_adapter(name)
 
     def unload(self, name: str) -> None:
-        if name not in self.paths:
+        if not isinstance(name, str) or name not in self.paths:
             raise AdapterError(f"no adapter named {name!r} is loaded")
         self._drop(name)
         del self.paths[name]
