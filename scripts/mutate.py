@@ -91,6 +91,8 @@ LORA_CHAIN = f"{LORA}::test_kills_at_commit_points_resume_to_the_uninterrupted_t
 LORA_N1 = f"{LORA}::test_a_relaunched_lora_run_resumes_at_the_next_rollout"
 LORA_REF = f"{LORA}::test_the_reference_is_the_base_with_the_adapter_off"
 LORA_BASE = f"{LORA}::test_resuming_on_another_base_exits_2_naming_both"
+LORA_EVAL = f"{LORA}::test_mileage_eval_of_a_lora_run_reproduces_the_logged_evaluation"
+VERIFY_PARTS = "tests/test_ckpt_verify_parts.py"
 LORA_ADAPTER = f"{LORA}::test_lora_adapter_path_starts_from_an_exported_adapter_of_this_base_only"
 LORA_SERVE = f"{LORA}::test_mileage_serve_generates_with_the_merged_adapter"
 LORA_DROPOUT = f"{LORA}::test_dropout_masks_depend_on_seed_and_step_not_on_the_rng_stream"
@@ -1170,6 +1172,41 @@ MUTANTS = [
         "    wrapped.eval()\n",
         "    pass\n",
         (LORA_CHAIN, LORA_N1),
+    ),
+    Mutant(
+        "lora-restored-unverified",
+        "a LoRA run restores its adapter, optimizer, critic, buffer and RNG without verifying "
+        "the checkpoint's checksums",
+        "mileage/components.py",
+        "    stop_together(lambda: verify_sources(sources) if env.is_main() else None)\n",
+        "    if not cfg.lora.enabled:\n"
+        "        stop_together(lambda: verify_sources(sources) if env.is_main() else None)\n",
+        (VERIFY_PARTS,),
+    ),
+    Mutant(
+        "resume-verifies-the-weights-alone",
+        "a resume verifies the model weights' files, not the rest of the checkpoint it restores",
+        "mileage/checkpoint/store.py",
+        '        if digest != entry["sha256"]\n',
+        '        if digest != entry["sha256"] and name.startswith(MODEL_DIR)\n',
+        (VERIFY_PARTS,),
+    ),
+    Mutant(
+        "mileage-eval-of-lora-merges-the-adapter",
+        "`mileage eval` of a LoRA run evaluates merged weights, not the adapter as training did",
+        "mileage/cli/eval_command.py",
+        "        model = restore_recorded_policy(str(checkpoint), load, log).model\n",
+        "        model = restore_recorded_policy(str(checkpoint), load, log).peft_model"
+        ".merge_and_unload()\n",
+        (LORA_EVAL,),
+    ),
+    Mutant(
+        "mileage-eval-in-fp32",
+        "`mileage eval` computes in fp32 whatever precision the checkpoint trained in",
+        "mileage/cli/eval_command.py",
+        '    if requested == "auto" and meta:\n',
+        '    if requested == "auto" and meta and False:\n',
+        (LORA_EVAL,),
     ),
     Mutant(
         "lora-base-digest-ignored",
