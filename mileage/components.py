@@ -320,6 +320,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         pre.reward_fn,
         journal,
         context_length(model_config) or DEFAULT_CONTEXT,
+        model_config.get("vocab_size"),
     )
     return Run(
         cfg=cfg,

@@ -21,7 +21,12 @@ from mileage.models.tiny import builtin_config, builtin_model_dir, builtin_token
 from mileage.precision import BF16, resolve
 from mileage.rollout.agent import UserFunctions, load_user_functions
 from mileage.rollout.data import EvalSet, load_eval_sets, load_train_prompts, task_reward
-from mileage.rollout.dynamic import BufferFilter, GroupFilter, load_function, load_group_filter
+from mileage.rollout.dynamic import (
+    BufferFilter,
+    GroupFilter,
+    load_buffer_filter,
+    load_group_filter,
+)
 from mileage.rollout.evaluation import check_eval_lengths
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, build_reward_fn
@@ -90,12 +95,13 @@ def preflight(cfg: RunConfig) -> Preflight:
     require_directories(save=ck.save, load=ck.load, ref_load=ck.ref_load)
     prompts = load_train_prompts(cfg.data)
     eval_sets = load_eval_sets(cfg.data)
-    reward_fn = build_reward_fn(cfg.reward, task_reward(cfg.data))
+    timeout = cfg.hooks.hook_timeout
+    reward_fn = build_reward_fn(cfg.reward, task_reward(cfg.data), timeout)
     filter_path = cfg.dynamic.dynamic_sampling_filter_path
-    group_filter = load_group_filter(filter_path) if filter_path else None
+    group_filter = load_group_filter(filter_path, timeout) if filter_path else None
     buffer_path = cfg.dynamic.buffer_filter_path
-    buffer_filter = load_function(buffer_path, "--buffer-filter-path") if buffer_path else None
-    user_functions = load_user_functions(cfg.multiturn)
+    buffer_filter = load_buffer_filter(buffer_path, timeout) if buffer_path else None
+    user_functions = load_user_functions(cfg.multiturn, timeout)
     check_one_turn(reward_fn, user_functions.generate is not None)
     check_tracking(cfg.tracking)
     model_config = model_config_of(cfg)

@@ -24,6 +24,7 @@ from mileage.rollout.rewards import RewardConfig
 from mileage.rollout.rollout import RolloutConfig
 from mileage.rollout.shaping import ShapingConfig
 from mileage.rollout.sizes import check_thread_count
+from mileage.rollout.userfn import HookConfig
 from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
 from mileage.training.critic import CriticConfig
@@ -115,6 +116,7 @@ SECTIONS = (
     ("mismatch", MismatchConfig, "engine/trainer log-prob mismatch"),
     ("multiturn", MultiTurnConfig, "multi-turn and tool-using rollouts (docs/multiturn.md)"),
     ("reward", RewardConfig, "reward"),
+    ("hooks", HookConfig, "user functions (timeouts)"),
     ("dynamic", DynamicSamplingConfig, "dynamic sampling (DAPO)"),
     ("shaping", ShapingConfig, "overlong shaping and truncation masking"),
     ("algo", AlgoConfig, "algorithm"),
@@ -138,6 +140,7 @@ class RunConfig:
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    hooks: HookConfig = field(default_factory=HookConfig)
     dynamic: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -248,6 +251,7 @@ class RunConfig:
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
         self.engine.validate()
         self.multiturn.validate()
+        self.hooks.validate()
         if self.multiturn.rollout_function_path and self.dynamic.dynamic_sampling_filter_path:
             raise UserError(
                 "--rollout-function-path replaces the rollout that dynamic sampling draws; give "

@@ -109,7 +109,7 @@ def evaluate_checkpoint(cfg, log) -> dict:
     eval_sets = load_eval_sets(data)
     if not eval_sets:
         raise UserError("nothing to evaluate: give --eval-prompt-data NAME PATH [NAME PATH ...]")
-    reward_fn = build_reward_fn(cfg.reward, task_reward(data))
+    reward_fn = build_reward_fn(cfg.reward, task_reward(data), cfg.hooks.hook_timeout)
     config_dir = ck.hf_checkpoint or recorded_model_dir(checkpoint, log)
     configure_determinism(cfg.loop.seed, cfg.loop.num_threads)
     tokenizer = load_tokenizer(config_dir)
@@ -128,7 +128,7 @@ def evaluate_checkpoint(cfg, log) -> dict:
         # answers go through the run's generate function or tool loop, as in training's evaluation
         agent = Agent(
             cfg,
-            load_user_functions(cfg.multiturn),
+            load_user_functions(cfg.multiturn, cfg.hooks.hook_timeout),
             tokenizer,
             encode,
             reward_fn,

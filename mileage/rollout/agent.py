@@ -9,9 +9,11 @@ which engine or which generate function it has.
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +27,22 @@ from mileage.rollout.rewards import RewardFn, score_samples
 from mileage.rollout.sample import TOOL_ERROR, TOOL_TIMEOUT, Sample
 from mileage.rollout.tool_parsers import ToolFormat, tool_format
 from mileage.rollout.toolpool import ToolPool
-from mileage.rollout.userfn import load_function, require_signature
+from mileage.rollout.userfn import (
+    DEFAULT_HOOK_TIMEOUT,
+    Clock,
+    Hook,
+    HookCalls,
+    load_function,
+    require_signature,
+)
 
 GENERATE_SHAPE = "async def generate(ctx, sample, params) -> Sample"
 # the multi-turn length limit when neither --rollout-max-context-len nor the model's config
 # gives one
 DEFAULT_CONTEXT = 32768
 ROLLOUT_SHAPE = "fn(ctx, rollout_id, data_source, evaluation=False) -> list[Sample]"
+GENERATE_FLAG = "--custom-generate-function-path"
+ROLLOUT_FLAG = "--rollout-function-path"
 
 
 def load_tool_specs(path: str) -> list[dict[str, Any]]:
@@ -56,14 +67,17 @@ class UserFunctions:
     rollout: Callable | None = None  # --rollout-function-path
     tool_specs: list[dict[str, Any]] | None = None
     tool_format: ToolFormat | None = None
+    hook_timeout: float = field(default=DEFAULT_HOOK_TIMEOUT)  # --hook-timeout
 
 
-def load_user_functions(cfg: MultiTurnConfig) -> UserFunctions:
+def load_user_functions(
+    cfg: MultiTurnConfig, hook_timeout: float = DEFAULT_HOOK_TIMEOUT
+) -> UserFunctions:
     """Every multi-turn flag checked: importable paths, signatures, JSON, parser names."""
     cfg.validate()
-    out = UserFunctions()
+    out = UserFunctions(hook_timeout=hook_timeout)
     if cfg.custom_generate_function_path:
-        flag = "--custom-generate-function-path"
+        flag = GENERATE_FLAG
         out.generate = load_function(cfg.custom_generate_function_path, flag)
         require_signature(out.generate, flag, 3, GENERATE_SHAPE, coroutine=True)
     elif cfg.generate_execute_tool_function_path:
@@ -73,7 +87,7 @@ def load_user_functions(cfg: MultiTurnConfig) -> UserFunctions:
         tool = load_function(cfg.generate_execute_tool_function_path, flag)
         require_signature(tool, flag, 2, "fn(name, arguments) -> str")
     if cfg.rollout_function_path:
-        flag = "--rollout-function-path"
+        flag = ROLLOUT_FLAG
         out.rollout = load_function(cfg.rollout_function_path, flag)
         require_signature(out.rollout, flag, 3, ROLLOUT_SHAPE)
     if cfg.generate_tool_specs_path:
@@ -95,8 +109,12 @@ class Agent:
         reward_fn: RewardFn,
         journal: ToolJournal | str | Path | None,
         context_len: int,
+        vocab_size: int | None = None,
     ):
         self.config = config
+        # the ids a generate function may return: the model's embedding rows (its config's
+        # vocab_size), else the tokenizer's (None: unknown, unchecked)
+        self.vocab_size = vocab_size or _tokenizer_size(tokenizer)
         self.cfg: MultiTurnConfig = config.multiturn
         self.user = user
         self.tokenizer = tokenizer
@@ -150,6 +168,14 @@ class Agent:
 
     def _generate_multi_turn(self, engine, prompts, params, n_samples, seed, rollout_id):
         batcher = TurnBatcher(engine)
+        labels = [
+            f"sample {p * n_samples + i} (prompt {prompt.index})"
+            for p, prompt in enumerate(prompts)
+            for i in range(n_samples)
+        ]
+        hook = Hook("generate function", GENERATE_FLAG, self.user.hook_timeout)
+        calls = HookCalls(hook, labels)
+        user_code = self.user.generate is not tool_loop
         coroutines, inputs = [], []
         for position, prompt in enumerate(prompts):
             ids = self.prompt_ids(prompt)
@@ -157,7 +183,8 @@ class Agent:
             for index in range(n_samples):
                 row = position * n_samples + index
                 purpose = f"rollout/{rollout_id}/{position}/{index}"
-                client = TokenClient(batcher, params, (seed, purpose), row)
+                clock = calls.clocks[row] if user_code else None
+                client = _TimedClient(batcher, params, (seed, purpose), row, clock)
                 ctx = GenerateContext(
                     client=client,
                     tokenizer=self.tokenizer,
@@ -171,42 +198,73 @@ class Agent:
                     chat_template=self.encode.uses_template(prompt),
                     _pool=self.pool,
                     _journal=self.journal,
+                    _clock=clock,
                 )
                 sample = Sample(
                     prompt, list(ids), [], [], "", 0.0, False, engine.weight_version, [], []
                 )
                 inputs.append(sample)
                 coroutines.append(self.user.generate(ctx, copy.deepcopy(sample), params))
-        results = batcher.run(coroutines)
-        return [self._checked(r, s) for r, s in zip(results, inputs, strict=True)]
+        if user_code:  # behind the hook boundary: bounded, named when it fails
+            results = calls.run(
+                lambda c: batcher.run([c.acall(i, co) for i, co in enumerate(coroutines)])
+            )
+        else:  # the built-in tool loop: the run's own code, its tool calls bounded on their own
+            results = batcher.run(coroutines)
+        return [
+            self._checked(r, s, label) for r, s, label in zip(results, inputs, labels, strict=True)
+        ]
 
-    def _checked(self, result: Any, given: Sample) -> Sample:
-        flag = "--custom-generate-function-path"
+    def _checked(self, result: Any, given: Sample, label: str) -> Sample:
+        """The generate function's return checked against its contract (mileage.rollout.userfn);
+        a `response` left empty is decoded from the response ids, as the reward reads it."""
+        flag = GENERATE_FLAG
         if isinstance(result, list):
             if len(result) != 1:
                 raise UserError(
-                    f"{flag}: the generate function returned {len(result)} samples for one; "
+                    f"{flag}: the generate function returned {len(result)} samples for {label}; "
                     "mileage trains groups of --n-samples-per-prompt samples, one per call"
                 )
             result = result[0]
         if not isinstance(result, Sample):
-            raise UserError(f"{flag}: the generate function returned {type(result).__name__}")
+            raise UserError(
+                f"{flag}: the generate function returned {type(result).__name__} for {label}; "
+                "expected a Sample"
+            )
         if result.prompt.index != given.prompt.index or result.prompt_ids != given.prompt_ids:
-            raise UserError(f"{flag}: the generate function changed the sample's prompt")
+            raise UserError(f"{flag}: the generate function changed the prompt of {label}")
         try:
             result.check()
         except ValueError as exc:
-            raise UserError(f"{flag}: the sample it returned is inconsistent: {exc}") from None
+            raise UserError(
+                f"{flag}: the sample it returned for {label} is inconsistent: {exc}"
+            ) from None
+        vocab = self.vocab_size or 2**63
+        bad = [
+            t
+            for t in result.response_ids
+            if not (isinstance(t, numbers.Integral) and 0 <= t < vocab)
+        ]
+        if bad:
+            raise UserError(
+                f"{flag}: the generate function returned response id {bad[0]!r} for {label}; "
+                f"expected token ids from 0 to {vocab - 1} (the model's vocabulary)"
+            )
+        if not result.response and result.response_ids:
+            result.response = self.tokenizer.decode(result.response_ids, skip_special_tokens=True)
         return result
 
     def run_rollout(self, engine: Engine, rollout_id: int, data_source: Any, generate: Callable):
         """--rollout-function-path: the user's whole rollout; `generate(prompts)` is the run's
         own generation (what the rollout would do without the function)."""
-        ctx = RolloutContext(self.config, self.tokenizer, engine, self, generate)
-        samples = self.user.rollout(ctx, rollout_id, data_source, evaluation=False)
+        hook = Hook("rollout function", ROLLOUT_FLAG, self.user.hook_timeout)
+        calls = HookCalls(hook, [f"rollout {rollout_id}"])
+        ctx = RolloutContext(self.config, self.tokenizer, engine, self, generate, calls.clocks[0])
+        fn = functools.partial(self.user.rollout, evaluation=False)
+        samples = calls.run(lambda c: c.call(0, fn, ctx, rollout_id, data_source))
         n = self.config.rollout.n_samples_per_prompt
         expected = self.config.rollout.rollout_batch_size * n
-        flag = "--rollout-function-path"
+        flag = ROLLOUT_FLAG
         if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
             raise UserError(f"{flag}: the rollout function must return a list of Samples")
         if len(samples) != expected:
@@ -225,6 +283,28 @@ class Agent:
         return samples
 
 
+class _TimedClient(TokenClient):
+    """The sample's client, its waits on the engine off the generate function's clock."""
+
+    def __init__(self, batcher, params, seed_key, sample, clock: Clock | None):
+        super().__init__(batcher, params, seed_key, sample)
+        self._clock = clock
+
+    async def generate(self, input_ids: list[int], max_new_tokens: int | None = None):
+        if self._clock is None:
+            return await super().generate(input_ids, max_new_tokens)
+        with self._clock.waiting_on_the_run():
+            return await super().generate(input_ids, max_new_tokens)
+
+
+def _tokenizer_size(tokenizer: Any) -> int | None:
+    """The tokenizer's id count (added tokens too), or None when it does not say."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return getattr(tokenizer, "vocab_size", None)
+
+
 @dataclass
 class RolloutContext:
     """What a --rollout-function-path function gets (besides rollout_id and the data source)."""
@@ -233,14 +313,22 @@ class RolloutContext:
     tokenizer: Any
     engine: Engine  # token ids in, completions out (engine.generate)
     agent: Agent
-    generate: Callable[[list[Prompt]], list[Sample]]  # the run's own generation and scoring
+    _generate: Callable[[list[Prompt]], list[Sample]]  # the run's own generation and scoring
+    # the rollout function's clock (--hook-timeout): the run's generation and scoring are off it
+    _clock: Clock = field(default_factory=Clock, repr=False)
+
+    def generate(self, prompts: list[Prompt]) -> list[Sample]:
+        """The run's own generation and scoring of `prompts`."""
+        with self._clock.waiting_on_the_run():
+            return self._generate(prompts)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         return self.agent.prompt_ids(prompt)
 
     def score(self, samples: list[Sample]) -> None:
         """Set each sample's reward with the run's reward (groups of --n-samples-per-prompt)."""
-        self.agent.score(samples, self.config.rollout.n_samples_per_prompt)
+        with self._clock.waiting_on_the_run():
+            self.agent.score(samples, self.config.rollout.n_samples_per_prompt)
 
 
 def tool_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -26,7 +26,7 @@ from mileage.faults import fault_point
 from mileage.rollout.buffer import Group, RolloutBuffer
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.sample import Sample
-from mileage.rollout.userfn import load_function
+from mileage.rollout.userfn import DEFAULT_HOOK_TIMEOUT, BoundedHook, Hook, load_function
 
 MILES_NONZERO_STD = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
 MILEAGE_NONZERO_STD = "mileage.rollout.dynamic.check_reward_nonzero_std"
@@ -133,12 +133,20 @@ def check_reward_nonzero_std(config: object, samples: list[Sample]) -> tuple[boo
     return False, f"zero_std_{round(rewards[0], 1)}"
 
 
-def load_group_filter(path: str) -> GroupFilter:
-    """The user's filter (miles' built-in's path is a name for mileage's own equivalent: miles
-    itself is not imported)."""
+def load_group_filter(path: str, timeout: float = DEFAULT_HOOK_TIMEOUT) -> GroupFilter:
+    """The user's filter, behind the hook boundary (bounded by --hook-timeout, named when it
+    fails; miles' built-in's path is a name for mileage's own equivalent: miles itself is not
+    imported)."""
     if path in (MILES_NONZERO_STD, MILEAGE_NONZERO_STD):
         return check_reward_nonzero_std
-    return load_function(path, "--dynamic-sampling-filter-path")
+    flag = "--dynamic-sampling-filter-path"
+    return BoundedHook(load_function(path, flag), Hook("filter", flag, timeout))
+
+
+def load_buffer_filter(path: str, timeout: float = DEFAULT_HOOK_TIMEOUT) -> BufferFilter:
+    """The user's buffer filter, behind the hook boundary."""
+    flag = "--buffer-filter-path"
+    return BoundedHook(load_function(path, flag), Hook("buffer filter", flag, timeout))
 
 
 def take_buffered(
@@ -171,16 +179,37 @@ def take_buffered(
 
 
 def judge(fn: GroupFilter, config: object, samples: list[Sample]) -> tuple[bool, str]:
-    """(keep, reason) from a filter returning a bool, (keep, reason) or miles' DynamicFilterOutput."""
-    out = fn(config, samples)
-    if isinstance(out, tuple):
+    """(keep, reason) from a filter returning a bool, (keep, reason) or miles' DynamicFilterOutput;
+    anything else stops the run in one line (a "maybe" is not kept, nor a None)."""
+    label = f"the group of prompt {samples[0].prompt.index}"
+    out = fn.call(label, config, samples) if isinstance(fn, BoundedHook) else fn(config, samples)
+    if isinstance(out, tuple) and len(out) == 2:
         keep, reason = out
     elif hasattr(out, "keep"):
         keep, reason = out.keep, getattr(out, "reason", None)
     else:
         keep, reason = out, None
-    keep = bool(keep)
+    if _as_bool(keep) is None:
+        raise UserError(
+            f"--dynamic-sampling-filter-path: the filter returned {type(out).__name__} "
+            f"{str(out)[:60]!r} for {label}; expected a bool, (bool, reason) or an object with "
+            "a bool .keep"
+        )
+    keep = _as_bool(keep)
     return keep, "" if keep else (reason or "filtered")
+
+
+def _as_bool(value: object) -> bool | None:
+    """A bool, a numpy or torch one-element bool as one, else None."""
+    if isinstance(value, bool):
+        return value
+    item = getattr(value, "item", None)
+    if getattr(value, "dtype", None) is not None and callable(item):
+        try:
+            value = item()
+        except (ValueError, RuntimeError):  # more than one element
+            return None
+    return value if isinstance(value, bool) else None
 
 
 @dataclass

@@ -36,6 +36,7 @@ from mileage.rollout.sample import (
 from mileage.rollout.tool_parsers import DEFAULT_PARSER, ToolCallError, ToolFormat
 from mileage.rollout.toolpool import ToolPool
 from mileage.rollout.toolworker import OK
+from mileage.rollout.userfn import Clock
 
 
 @dataclass
@@ -121,6 +122,8 @@ class GenerateContext:
     _pool: ToolPool | None = field(default=None, repr=False)
     _journal: ToolJournal | None = field(default=None, repr=False)
     _calls_in_turn: dict[int, int] = field(default_factory=dict, repr=False)
+    # the generate function's clock (--hook-timeout): tool calls are bounded by --tool-timeout
+    _clock: Clock | None = field(default=None, repr=False)
 
     def seed(self, call: int) -> int:
         """The seed the sample's client call number `call` samples with (keyed on run seed,
@@ -138,7 +141,11 @@ class GenerateContext:
         recorded = self._journal.lookup(self.rollout_id, key, name, arguments)
         if recorded is not None:
             return ToolResult(*recorded)
-        status, output = await self._pool.call(name, arguments)
+        if self._clock is None:
+            status, output = await self._pool.call(name, arguments)
+        else:
+            with self._clock.waiting_on_the_run():
+                status, output = await self._pool.call(name, arguments)
         self._journal.record(self.rollout_id, key, name, arguments, status, output)
         return ToolResult(status, output)
 

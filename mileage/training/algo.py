@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from mileage.config import option
 from mileage.errors import UserError
+from mileage.rollout.userfn import Hook, loss_problem, named_in_thread
 from mileage.training.losses import KL_ESTIMATORS
 
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
@@ -145,4 +146,6 @@ def load_custom_loss(path: str) -> Callable:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"--custom-loss-function-path: {module_name!r} has no function {attr!r}")
-    return fn
+    # what it raises (sys.exit too) is named with its flag, and its return is checked
+    hook = Hook("custom loss", "--custom-loss-function-path")
+    return named_in_thread(fn, hook, loss_problem)

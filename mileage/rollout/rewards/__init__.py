@@ -9,23 +9,47 @@ The form is told by how many positional parameters the function takes (3, 2 or 1
 may be async; async ones are awaited concurrently for a whole rollout, and `remote_rm` sends a
 rollout's requests concurrently too. Which is used: `--custom-rm-path` if given, else `--rm-type`, else (the
 default) the task's scorer for `gym:` prompt data and `exact` for anything else.
+
+Every reward, whatever its source, is checked where it is scored (`checked_reward`): a finite
+real number with |r| <= MAX_ABS_REWARD (a bool counts as 0 or 1, as `response == label` is a
+common reward); anything else stops the run in one line naming the sample. A custom function
+runs behind the hook boundary (`mileage.rollout.userfn`): bounded by --hook-timeout, and one
+that raises or calls sys.exit is named with its flag.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
+import math
+import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mileage.config import option
 from mileage.errors import UserError
 from mileage.rollout.rewards.remote import RemoteReward
 from mileage.rollout.rewards.rules import BOXED, RULES, last_boxed
-from mileage.rollout.userfn import accepts, load_function, require_signature
+from mileage.rollout.userfn import (
+    DEFAULT_HOOK_TIMEOUT,
+    Hook,
+    HookCalls,
+    accepts,
+    load_function,
+    require_signature,
+    run_hook,
+)
 
 RewardFn = Callable[[str, str, str], float]
 RM_TYPES = (*RULES, *BOXED, "remote_rm", "boxed_remote_rm")
+# the largest |reward| the run trains on. Group normalisation sums rewards and their squares: at
+# 1e308 the sum overflows to inf and every advantage of the group is nan (a reward of 1e308 got
+# that far); 1e6 keeps squares and sums of any group exact enough in float64 and finite in the
+# fp32 of the loss, and is far above any reward scale in use (rule rewards are 0/1, reward
+# models a few units).
+MAX_ABS_REWARD = 1e6
+CUSTOM_RM = "--custom-rm-path"
 
 
 @dataclass
@@ -53,17 +77,89 @@ class RewardConfig:
     rm_max_concurrency: int = option(32, "remote_rm: requests in flight at once")
 
 
-def load_custom_reward(path: str, group_rm: bool = False) -> RewardFn:
+def checked_reward(value: Any, source: str, label: str) -> float:
+    """`value` as the reward of `label` ("sample 3 (prompt 7)"), or the run stopped in one line
+    naming `source` (the function and its flag), the sample and what a reward must be."""
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, numbers.Real) and _one_element(value):
+        value = value.item()  # a one-element tensor or array
+    if not isinstance(value, numbers.Real):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise UserError(
+            f"{source} returned {type(value).__name__} {shown} for {label}; expected a finite "
+            "real number (a bool counts as 0 or 1)"
+        )
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise UserError(f"{source} returned {reward} for {label}; expected a finite real number")
+    if abs(reward) > MAX_ABS_REWARD:
+        raise UserError(
+            f"{source} returned {reward:g} for {label}; expected |reward| <= {MAX_ABS_REWARD:g} "
+            "(larger ones overflow the advantage math: rewards.MAX_ABS_REWARD)"
+        )
+    return reward
+
+
+def _one_element(value: Any) -> bool:
+    numel = getattr(value, "numel", None) or getattr(value, "size", None)
+    try:
+        count = numel() if callable(numel) else numel
+    except TypeError:
+        return False
+    return count == 1 and callable(getattr(value, "item", None))
+
+
+class UserReward:
+    """--custom-rm-path behind the hook boundary: its calls bounded, named when they fail."""
+
+    def __init__(self, fn: Callable, group_rm: bool, timeout: float = DEFAULT_HOOK_TIMEOUT):
+        self.fn = fn
+        self.group_rm = group_rm
+        self.hook = Hook("reward function", CUSTOM_RM, timeout)
+        self.source = f"{CUSTOM_RM}: the reward function {getattr(fn, '__qualname__', fn)}"
+
+    def __call__(self, *args: Any) -> Any:
+        """One call (fn(prompt, response, label) or its other forms), unchecked."""
+        return run_hook(self.hook, "one call", self.fn, *args)
+
+    def call_all(self, args: Sequence[tuple], labels: list[str]) -> list[Any]:
+        """fn(*a) for each `a`, in one worker thread; async ones awaited concurrently."""
+        fn = self.fn
+
+        def body(calls: HookCalls) -> list[Any]:
+            if inspect.iscoroutinefunction(fn):
+                return asyncio.run(_all(calls, [fn(*a) for a in args]))
+            results = [calls.call(i, fn, *a) for i, a in enumerate(args)]
+            if any(inspect.isawaitable(r) for r in results):
+                return asyncio.run(_all(calls, results))
+            return results
+
+        return HookCalls(self.hook, labels).run(body)
+
+
+async def _all(calls: HookCalls, values: list) -> list:
+    """The values, the awaitables among them awaited concurrently (each as its own call)."""
+
+    async def one(index: int, value: Any) -> Any:
+        return await calls.acall(index, value) if inspect.isawaitable(value) else value
+
+    return await asyncio.gather(*(one(i, v) for i, v in enumerate(values)))
+
+
+def load_custom_reward(
+    path: str, group_rm: bool = False, timeout: float = DEFAULT_HOOK_TIMEOUT
+) -> UserReward:
     """The user's reward, checked against the forms it may take (module docstring)."""
-    fn = load_function(path, "--custom-rm-path")
+    fn = load_function(path, CUSTOM_RM)
     if group_rm:
-        require_signature(fn, "--custom-rm-path", 2, "fn(config, samples) -> list[float]")
+        require_signature(fn, CUSTOM_RM, 2, "fn(config, samples) -> list[float]")
     elif not any(accepts(fn, n) for n in (3, 2, 1)):
         raise UserError(
-            f"--custom-rm-path: {getattr(fn, '__qualname__', fn)} must be callable as "
+            f"{CUSTOM_RM}: {getattr(fn, '__qualname__', fn)} must be callable as "
             "fn(prompt, response, label), fn(config, sample) or fn(sample)"
         )
-    return fn
+    return UserReward(fn, group_rm, timeout)
 
 
 def remote_reward(cfg: RewardConfig, boxed: bool) -> RemoteReward:
@@ -79,10 +175,15 @@ def remote_reward(cfg: RewardConfig, boxed: bool) -> RemoteReward:
     )
 
 
-def build_reward_fn(cfg: RewardConfig, task_scorer: RewardFn | None = None) -> RewardFn:
-    """The run's reward; `task_scorer` is the prompt data's own scorer, if it has one."""
+def build_reward_fn(
+    cfg: RewardConfig,
+    task_scorer: RewardFn | None = None,
+    timeout: float = DEFAULT_HOOK_TIMEOUT,
+) -> RewardFn:
+    """The run's reward; `task_scorer` is the prompt data's own scorer, if it has one;
+    `timeout` bounds each call of a custom one (--hook-timeout)."""
     if cfg.custom_rm_path:
-        return load_custom_reward(cfg.custom_rm_path, cfg.group_rm)
+        return load_custom_reward(cfg.custom_rm_path, cfg.group_rm, timeout)
     if cfg.group_rm:
         raise UserError("--group-rm scores with a group function: give it with --custom-rm-path")
     if cfg.rm_type is None:
@@ -92,32 +193,39 @@ def build_reward_fn(cfg: RewardConfig, task_scorer: RewardFn | None = None) -> R
     return {**RULES, **BOXED}[cfg.rm_type]
 
 
+def _source(fn: RewardFn) -> str:
+    """How a failing reward is named."""
+    if isinstance(fn, UserReward):
+        return fn.source
+    if isinstance(fn, RemoteReward):
+        return "--rm-type remote_rm: the reward server"
+    return f"the reward {getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _checked_all(fn: RewardFn, values: list, labels: list[str]) -> list[float]:
+    if len(values) != len(labels):
+        raise UserError(f"{_source(fn)} returned {len(values)} rewards for {len(labels)} samples")
+    source = _source(fn)
+    return [checked_reward(v, source, label) for v, label in zip(values, labels, strict=True)]
+
+
 def score_all(fn: RewardFn, items: list[tuple[str, str, str]]) -> list[float]:
     """Score (prompt, response, label) triples; batch and async rewards run concurrently."""
+    return _score_triples(fn, items, [f"sample {i}" for i in range(len(items))])
+
+
+def _score_triples(fn: RewardFn, items: list[tuple[str, str, str]], labels: list[str]) -> list:
+    if isinstance(fn, UserReward):
+        return _checked_all(fn, fn.call_all(items, labels), labels)
     if hasattr(fn, "score_batch"):
-        return [float(x) for x in fn.score_batch(items)]
+        return _checked_all(fn, list(fn.score_batch(items)), labels)
     if inspect.iscoroutinefunction(fn):
 
         async def gather() -> list[float]:
             return await asyncio.gather(*(fn(*item) for item in items))
 
-        return [float(x) for x in asyncio.run(gather())]
-    return [float(fn(*item)) for item in items]
-
-
-def _gather(calls: list) -> list:
-    """Results of `calls` (values or awaitables), the awaitables awaited concurrently."""
-    if not any(inspect.isawaitable(c) for c in calls):
-        return calls
-
-    async def gather() -> list:
-        return await asyncio.gather(*(_awaited(c) for c in calls))
-
-    return asyncio.run(gather())
-
-
-async def _awaited(value):
-    return await value if inspect.isawaitable(value) else value
+        return _checked_all(fn, list(asyncio.run(gather())), labels)
+    return _checked_all(fn, [fn(*item) for item in items], labels)
 
 
 def score_samples(
@@ -125,17 +233,27 @@ def score_samples(
 ) -> list[float]:
     """One reward per sample, by the reward's form (module docstring); samples of one prompt
     are `group_size` contiguous ones."""
+    labels = [f"sample {i} (prompt {s.prompt.index})" for i, s in enumerate(samples)]
+    if not isinstance(fn, UserReward):  # built-in rewards take (prompt, response, label)
+        triples = [(s.prompt.text, s.response, s.prompt.label) for s in samples]
+        return _score_triples(fn, triples, labels)
     if group_rm:
-        groups = [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
-        rewards = [float(r) for part in _gather([fn(config, g) for g in groups]) for r in part]
-        if len(rewards) != len(samples):
-            raise UserError(
-                f"--group-rm: the reward function returned {len(rewards)} rewards for "
-                f"{len(samples)} samples (one per sample of each group)"
-            )
-        return rewards
-    if hasattr(fn, "score_batch") or accepts(fn, 3):
-        return score_all(fn, [(s.prompt.text, s.response, s.prompt.label) for s in samples])
-    if accepts(fn, 2):
-        return [float(r) for r in _gather([fn(config, s) for s in samples])]
-    return [float(r) for r in _gather([fn(s) for s in samples])]
+        starts = range(0, len(samples), group_size)
+        groups = [samples[i : i + group_size] for i in starts]
+        names = [f"the group of prompt {g[0].prompt.index}" for g in groups]
+        per_group = fn.call_all([(config, g) for g in groups], names)
+        rewards = []
+        for name, group, part in zip(names, groups, per_group, strict=True):
+            if not isinstance(part, list | tuple) or len(part) != len(group):
+                got = len(part) if isinstance(part, list | tuple) else type(part).__name__
+                raise UserError(
+                    f"--group-rm: {fn.source} returned {got} for {name}; expected a list of "
+                    f"{len(group)} rewards (one per sample of the group)"
+                )
+            rewards += list(part)
+        return _checked_all(fn, rewards, labels)
+    if accepts(fn.fn, 3):
+        triples = [(s.prompt.text, s.response, s.prompt.label) for s in samples]
+        return _score_triples(fn, triples, labels)
+    args = [(config, s) for s in samples] if accepts(fn.fn, 2) else [(s,) for s in samples]
+    return _checked_all(fn, fn.call_all(args, labels), labels)
