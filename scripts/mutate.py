@@ -1983,6 +1983,39 @@ MUTANTS = [
         "mallopt(M_TRIM_THRESHOLD, 0) == 1",
         ("tests/test_allocator.py::test_freed_blocks_are_reused_instead_of_faulting_in_again",),
     ),
+    Mutant(
+        "serve-takes-infinite-sampling-params",
+        "mileage serve samples with an infinite or NaN temperature/top_p",
+        "mileage/serve_requests.py",
+        "not isinstance(value, (int, float)) or not math.isfinite(value):",
+        "not isinstance(value, (int, float)):",
+        (
+            "tests/test_bad_input_serve.py::"
+            "test_every_bad_request_field_is_refused_naming_the_field",
+        ),
+    ),
+    Mutant(
+        "serve-reads-any-announced-body",
+        "mileage serve reads a body of whatever size a Content-Length announces",
+        "mileage/serve_requests.py",
+        "    if len(raw) > 18 or int(raw) > limit:\n",
+        "    if False:\n",
+        (
+            "tests/test_bad_input_serve.py::"
+            "test_bad_requests_and_bodies_get_an_answer_and_the_connection_is_kept",
+        ),
+    ),
+    Mutant(
+        "serve-loads-another-model",
+        "mileage serve's weight update swaps in a model of another vocabulary or architecture",
+        "mileage/serve.py",
+        "            self._refuse_another_model(path, model)\n",
+        "",
+        (
+            "tests/test_bad_input_serve.py::"
+            "test_a_weight_update_of_another_model_is_refused_and_the_old_weights_serve",
+        ),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
