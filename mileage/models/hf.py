@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from huggingface_hub.errors import StrictDataclassError  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -48,7 +50,51 @@ def read_config_json(path: str | Path) -> dict:
         raise UserError(f"{file} is not valid JSON ({exc})") from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise UserError(f'{file} has no "model_type"; it is not a Hugging Face model config')
+    check_field_types(config, file)
     return config
+
+
+# sizes every causal LM config states as a positive integer (under either naming); the size
+# checks count with them before transformers reads the config, whose own check is a traceback
+POSITIVE_INT_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_positions",
+    "n_inner",
+)
+NUMBER_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta")
+
+
+def check_field_types(config: dict, file: str | Path) -> None:
+    """One line naming the first field of a known type that has another (null: not set)."""
+    for name in POSITIVE_INT_FIELDS:
+        value = config.get(name)
+        # bool is an int to Python, never a size
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value <= 0
+        ):
+            raise UserError(f'{file}: "{name}" is {json.dumps(value)}; expected a positive integer')
+    for name in NUMBER_FIELDS:
+        value = config.get(name)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise UserError(f'{file}: "{name}" is {json.dumps(value)}; expected a number')
+
+
+def config_error(path: str | Path, exc: Exception) -> UserError:
+    """transformers' own check of a field's type (one it validates that ours does not know),
+    as one line: its message spans several lines and repeats itself per accepted type."""
+    detail = str(exc.__cause__ or exc).split(". Errors:")[0]
+    detail = re.sub(r"<class '(\w+)'>", r"\1", " ".join(detail.split()))
+    return UserError(f"{Path(path) / 'config.json'}: {detail}")
 
 
 def check_weight_files(path: str | Path) -> None:
@@ -67,6 +113,8 @@ def load_tokenizer(path: str | Path):
     read_config_json(path)
     try:
         return AutoTokenizer.from_pretrained(str(path))
+    except StrictDataclassError as exc:
+        raise config_error(path, exc) from None
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load a tokenizer from {path}: {exc}") from None
 
@@ -86,6 +134,8 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> torc
     check_weight_files(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except StrictDataclassError as exc:
+        raise config_error(path, exc) from None
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load a causal LM from {path}: {exc}") from None
     return model.eval()
@@ -104,6 +154,8 @@ def empty_causal_lm(
     read_config_json(config_dir)
     try:
         config = AutoConfig.from_pretrained(str(config_dir))
+    except StrictDataclassError as exc:
+        raise config_error(config_dir, exc) from None
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read the model config of {config_dir}: {exc}") from None
     # the weights are loaded over right after: random init (1.5 s on SmolLM2) would be wasted

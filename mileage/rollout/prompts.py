@@ -38,12 +38,38 @@ def prompt_from_record(
         messages = value
         users = [m for m in value if m.get("role") == "user"]
         text = str((users or value)[-1].get("content", ""))
+    elif value is None:
+        raise UserError(f"{where}: {input_key!r} is null; give the prompt text")
     else:
         text = str(value)
-    return Prompt(index, text, str(record[label_key]), messages)
+    return Prompt(index, text, label_text(record[label_key], label_key, where), messages)
+
+
+def label_text(value: Any, label_key: str, where: str) -> str:
+    """A record's reference answer as the scorers get it. A null label is refused: str(None) is
+    "None", which no answer matches, so every reward would be 0 without a word. A reward that
+    needs no label still gets the key (any value, "" included), as a missing key is refused too."""
+    if value is None:
+        raise UserError(
+            f"{where}: {label_key!r} is null; give the reference answer "
+            '("" if the reward function does not read labels)'
+        )
+    return str(value)
 
 
 KEY_FLAGS = "--input-key/--label-key"
+
+
+def decoded(raw: bytes, path: str, lineno: int) -> str:
+    """One JSONL line as text; a byte that is not UTF-8 (JSON's encoding) is named by its file,
+    line and column, where reading the whole file as text would only raise mid-iteration."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"{path}:{lineno}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def load_jsonl(
@@ -59,8 +85,9 @@ def load_jsonl(
     if not file.is_file():
         raise UserError(f"prompt file not found: {path}")
     prompts = []
-    with file.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    with file.open("rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            line = decoded(raw, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -109,10 +136,12 @@ def load_parquet(
         raise
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for corrupt files
         raise UserError(f"{path}: not a readable Parquet file ({exc})") from None
-    prompts = [
-        Prompt(i, str(text), str(label))
-        for i, (text, label) in enumerate(zip(table[input_key], table[label_key], strict=True))
-    ]
+    prompts = []
+    for i, (text, label) in enumerate(zip(table[input_key], table[label_key], strict=True)):
+        where = f"{path}: row {i}"
+        if text is None:
+            raise UserError(f"{where}: {input_key!r} is null; give the prompt text")
+        prompts.append(Prompt(i, str(text), label_text(label, label_key, where)))
     if not prompts:
         raise UserError(f"prompt file is empty: {path}")
     return prompts
