@@ -1202,10 +1202,11 @@ MUTANTS = [
     ),
     Mutant(
         "mileage-eval-in-fp32",
-        "`mileage eval` computes in fp32 whatever precision the checkpoint trained in",
+        "`mileage eval` computes in fp32 whatever precision the checkpoint trained in (caught "
+        "where the LoRA reference trains in bf16: a CPU or GPU with native bf16)",
         "mileage/cli/eval_command.py",
-        '    if requested == "auto" and meta:\n',
-        '    if requested == "auto" and meta and False:\n',
+        "    set_precision(model, _precision(cfg, meta), cfg.precision.fp32_lm_head)\n",
+        "",
         (LORA_EVAL,),
     ),
     Mutant(
