@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from mileage.checkpoint.layout import RELEASE, TRACKER, checkpoint_path, scan_dir
-from mileage.checkpoint.store import verify_checkpoint
-from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR, load_tensors, tensor_digest
 from mileage.errors import UserError
+
+# store and tensors import torch (~1 s); they are imported where tensors are read, so that
+# `mileage ckpt ls` of a directory without complete checkpoints lists it without them
 
 
 def _size(path: Path) -> int:
@@ -15,6 +16,8 @@ def _size(path: Path) -> int:
 
 
 def _digest(directory: Path) -> str | None:
+    from mileage.checkpoint.tensors import load_tensors, tensor_digest
+
     return tensor_digest(load_tensors(directory)) if (directory / ".metadata").is_file() else None
 
 
@@ -42,6 +45,8 @@ def list_checkpoints(save_dir: str | Path, digests: bool = True) -> list[dict]:
             "optimizer_digest": None,
         }
         if digests and info.complete:
+            from mileage.checkpoint.tensors import MODEL_DIR, OPTIMIZER_DIR
+
             row["model_digest"] = _digest(path / MODEL_DIR)
             row["optimizer_digest"] = _digest(path / OPTIMIZER_DIR)
         rows.append(row)
@@ -52,6 +57,8 @@ def verify_save_dir(
     save_dir: str | Path, ckpt_step: int | None = None
 ) -> tuple[list[str], list[str]]:
     """(checked checkpoint names, problems). Checks the tracker too when no step is given."""
+    from mileage.checkpoint.store import verify_checkpoint
+
     state = scan_dir(save_dir)
     if not state.exists:
         raise UserError(f"{save_dir} does not exist")

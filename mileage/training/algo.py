@@ -3,13 +3,12 @@ and the combinations miles refuses, refused here before anything runs."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from mileage.config import option
 from mileage.errors import UserError
-from mileage.rollout.userfn import Hook, loss_problem, named_in_thread
+from mileage.rollout.userfn import Hook, load_function, loss_problem, named_in_thread
 from mileage.training.losses import KL_ESTIMATORS
 
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
@@ -34,8 +33,8 @@ class AlgoConfig:
     )
     custom_loss_function_path: str | None = option(
         None,
-        "with --loss-type custom_loss: module:function (or module.function) called as "
-        "fn(algo, batch, logprobs, reduce) -> (loss, {name: float})",
+        "with --loss-type custom_loss: module:function, module.function or file.py:function, "
+        "called as fn(algo, batch, logprobs, reduce) -> (loss, {name: float})",
     )
     calculate_per_token_loss: bool = option(
         False, "token mean over the global batch (default: mean over samples of each's token mean)"
@@ -131,21 +130,9 @@ class AlgoConfig:
 
 
 def load_custom_loss(path: str) -> Callable:
-    """`module:function` (mileage's form, as --custom-rm-path) or `module.function` (miles')."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise UserError(f"--custom-loss-function-path must be module:function, got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
-        raise UserError(
-            f"--custom-loss-function-path: cannot import {module_name!r}: {exc}"
-        ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(f"--custom-loss-function-path: {module_name!r} has no function {attr!r}")
+    """`module:function` (mileage's form, as --custom-rm-path), `module.function` (miles') or
+    `path/to/file.py:function`: the one loader every user-function flag goes through."""
+    fn = load_function(path, "--custom-loss-function-path")
     # what it raises (sys.exit too) is named with its flag, and its return is checked
     hook = Hook("custom loss", "--custom-loss-function-path")
     return named_in_thread(fn, hook, loss_problem)
