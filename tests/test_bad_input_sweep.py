@@ -174,3 +174,48 @@ def test_a_torn_last_metrics_line_is_dropped_not_fatal(tmp_path):
     good = json.dumps({"rollout_id": 0, "reward_mean": 0.5}) + "\n"
     (tmp_path / "metrics.jsonl").write_text(good + '{"rollout_id": 1, "rew')
     assert read_metrics(tmp_path) == [{"rollout_id": 0, "reward_mean": 0.5}]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--lr", "inf"], ["--entropy-coef", "nan"], ["--rollout-temperature", "nan"]],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else a,
+)
+def test_float_flags_refuse_nan_and_inf(capsys, argv):
+    line = one_line_error(capsys, ["plan", *argv])
+    assert f"argument {argv[0]}: expected a finite number, got '{argv[1]}'" in line, line
+
+
+TOO_LARGE = [
+    (
+        ["--over-sampling-batch-size", 10**8],
+        "--over-sampling-batch-size 100000000 x --n-samples-per-prompt",
+        "of memory, more than this machine's",
+    ),
+    (
+        ["--n-samples-per-eval-prompt", 10**8],
+        "--n-samples-per-eval-prompt 100000000 x the",
+        "of memory, more than this machine's",
+    ),
+    (
+        ["--lora-rank", 10**8, "--target-modules", "all-linear"],
+        "--lora-rank 100000000 is more than the model's hidden_size",
+        "use at most",
+    ),
+    (["--num-threads", 100000], "--num-threads 100000 is more than 4 threads per CPU", "CPU"),
+    (["--seed", 2**70], "argument --seed: 1180591620717411303424 does not fit", "64-bit"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag", "reason"), TOO_LARGE, ids=lambda a: str(a)[:40])
+def test_absurd_sizes_are_refused_up_front_with_their_reason(capsys, argv, flag, reason):
+    line = one_line_error(capsys, ["plan", *argv])
+    assert flag in line and reason in line, line
+
+
+def test_eval_refuses_more_answers_than_memory_holds(capsys, trained_run):
+    argv = ["eval", "--load", trained_run, "--n-samples-per-eval-prompt", 10**8]
+    assert main([str(a) for a in argv]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after eval's note of the model
+    assert last.startswith("mileage: error: --n-samples-per-eval-prompt 100000000 x the"), last
+    assert "of memory, more than this machine's" in last, last
