@@ -7,10 +7,13 @@ trained on (one byte), or died in a torch unpickling traceback (four). One check
 every part (a LoRA + PPO train-async run with --keep-old-actor: adapter, optimizer, critic,
 RNG, kept old-actor weights, trainer state with its rollout buffer) and the crash harness's
 full-model run are damaged one part per case, each in a copy of the single iteration resumed.
+`mileage eval` reads weights too: it verifies them as a resume does, and evaluates an HF
+directory exported from a checkpoint exactly as training evaluated that checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -134,3 +137,37 @@ def test_a_flipped_byte_in_a_full_model_checkpoint_is_refused(
     damaged_copy(iteration, save, relative, key)
     assert read_tracker(save).iteration == 0
     assert_refused(["train", *crash_run_args()], save, iteration.name, named, capsys)
+
+
+def evaluated_record(save: Path) -> dict:
+    lines = (save / "metrics.jsonl").read_text().splitlines()
+    return next(r for r in map(json.loads, lines) if r["rollout_id"] >= 0 and "eval/addition" in r)
+
+
+def test_mileage_eval_refuses_a_damaged_checkpoint_and_evaluates_an_exported_hf_dir(
+    crash_reference, tmp_path, capsys
+):
+    reference, _ = crash_reference
+    record = evaluated_record(reference)
+    step = record["rollout_id"]
+    iteration = checkpoint_path(reference, step)
+    save = tmp_path / "run"
+    damaged_copy(iteration, save, "model/__0_0.distcp", None)
+    assert main(["eval", *crash_run_args(), "--load", str(save)]) == 2
+    # eval logs where its config comes from (stderr), then the one error line
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("mileage: error: checkpoint "), line
+    assert f"{iteration.name} is corrupt" in line and "(model weights)" in line, line
+
+    # an HF directory (no --load; "needs --load RUN" before): --ckpt-step names whose seeds
+    hf = tmp_path / "hf"
+    assert (
+        main(["export-hf", "--load", str(reference), "--ckpt-step", str(step), "--out", str(hf)])
+        == 0
+    )
+    capsys.readouterr()
+    argv = ["eval", *crash_run_args(), "--hf-checkpoint", str(hf), "--ckpt-step", str(step)]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rollout_id"] == step
+    assert result["metrics"] == {k: v for k, v in record.items() if k.startswith("eval")}
