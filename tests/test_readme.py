@@ -176,7 +176,9 @@ def mileage_problems(args: list[str]) -> list[str]:
             break
         if words[0] not in sub.choices:
             return [f"mileage: no subcommand {words[0]!r}"]
-        parser, words = sub.choices[words[0]], words[1:]
+        # cli.main builds a command's flags only when it is parsed (`_Commands.parser_of`)
+        of = getattr(sub, "parser_of", sub.choices.__getitem__)
+        parser, words = of(words[0]), words[1:]
     known = parser._option_string_actions
     return [f"`{flag}` is not a flag of this command" for flag in
             (w.split("=")[0] for w in words if w.startswith("--") and " " not in w)
