@@ -35,8 +35,12 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig = draw_metrics(records, f"mileage run: {Path(run_dir).resolve().name}")
     import matplotlib.pyplot as plt
 
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as exc:
+        raise UserError(f"cannot write --out {out}: {exc.strerror}") from None
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -26,8 +26,24 @@ class SaveDirLock:
         self.previous_holder: dict | None = None  # set when a stale lock was taken over
 
     def acquire(self) -> SaveDirLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # the run's first write into --save: what the OS refuses is one line naming the path
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(
+                f"cannot create --save directory {self.path.parent}: {exc.strerror}"
+            ) from None
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            remedy = (
+                " (remove it: mileage keeps its lock file at that path)"
+                if self.path.is_dir()
+                else ""
+            )
+            raise UserError(
+                f"cannot open the lock file {self.path}: {exc.strerror}{remedy}"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

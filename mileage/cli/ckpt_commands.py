@@ -52,8 +52,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from mileage.checkpoint.hf_export import write_release
+    from mileage.cli.paths import require_creatable_dir
 
     _save_dir(args.save)
+    require_creatable_dir(args.save, "--save")
     path = write_release(args.hf_checkpoint, args.save)
     print(
         f"wrote {path} (tracker: release); start from it with --megatron-to-hf-mode raw --ref-load {args.save}"
@@ -66,9 +68,11 @@ def _export_hf(args: argparse.Namespace) -> int:
 
     from mileage.checkpoint.hf_export import export_hf
     from mileage.checkpoint.meta import recorded_model_dir, selected_checkpoint
+    from mileage.cli.paths import require_creatable_dir
     from mileage.models.hf import check_export_target
 
     check_export_target(Path(args.out))
+    require_creatable_dir(args.out, "--out")
     checkpoint = selected_checkpoint(args.load, args.ckpt_step, "--ckpt-step")
     config_dir = args.hf_checkpoint or recorded_model_dir(
         checkpoint, lambda line: print(line, file=sys.stderr)
@@ -79,7 +83,8 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    ckpt = sub.add_parser("ckpt", help="inspect checkpoints")
+    # the commands' help lines are in mileage.cli.main.COMMANDS
+    ckpt = sub.add_parser("ckpt")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=type(ckpt))
     ls = ckpt_sub.add_parser("ls", help="list checkpoints with digests")
     ls.add_argument("dir")
@@ -92,12 +97,12 @@ def register(sub) -> None:
     verify.add_argument("--ckpt-step", type=int)
     verify.set_defaults(func=_verify)
 
-    convert = sub.add_parser("convert", help="HF weights -> SAVE/release (raw-mode starting point)")
+    convert = sub.add_parser("convert")
     convert.add_argument("--hf-checkpoint", required=True)
     convert.add_argument("--save", required=True)
     convert.set_defaults(func=_convert)
 
-    export = sub.add_parser("export-hf", help="a checkpoint's weights -> an HF directory")
+    export = sub.add_parser("export-hf")
     export.add_argument("--load", required=True)
     export.add_argument("--ckpt-step", type=int)
     export.add_argument(

