@@ -10,12 +10,15 @@ A SIGTERM/SIGINT or the sentinel file makes the current rollout the last one sav
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from mileage.checkpoint.plan import RESUME
 from mileage.components import Run, checkpoint_state, restore
 from mileage.distributed import env
 from mileage.distributed.coordination import preemption_guard
-from mileage.faults import fault_point
+from mileage.errors import UserError
+from mileage.faults import fault_point, poison_point
 from mileage.metrics import EVAL_BEFORE_TRAINING
 from mileage.progress import RunProgress
 from mileage.rollout.agent import tool_metrics
@@ -25,6 +28,7 @@ from mileage.rollout.partial import RoundGenerator, offpolicy_tokens, sample_par
 from mileage.rollout.rollout import generate_samples, load_samples, save_samples
 from mileage.rollout.shaping import shape_rewards
 from mileage.training.batch import mask_offpolicy, mask_truncated, pack_samples
+from mileage.training.finite import NonFiniteError, check_checkpoint
 from mileage.training.mismatch import apply_mismatch
 
 
@@ -231,7 +235,7 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
                         batch, samples, version
                     )
             mismatch = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
-            stats = {**run.actor.train_rollout(batch), **mismatch, **sampling}
+            stats = {**train_rollout(run, rollout_id, batch), **mismatch, **sampling}
             run.actor.release_gradients()
             trained = time.perf_counter()
             sync_engine(run)
@@ -253,6 +257,31 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
     return records
 
 
+def train_rollout(run: Run, rollout_id: int, batch) -> dict:
+    """The actor's optimizer steps on the rollout's batch. A NaN or inf in a reward, loss,
+    gradient or weight stops the run here, before anything of the rollout is saved (an
+    in-flight save of an earlier rollout is finished first)."""
+    with nonfinite_stop(run, rollout_id):
+        return run.actor.train_rollout(batch)
+
+
+@contextmanager
+def nonfinite_stop(run: Run, rollout_id: int) -> Iterator[None]:
+    """Turn a `NonFiniteError` into the run's last line: the rollout, the quantity, and where a
+    rerun continues (the last committed checkpoint is left as it was)."""
+    try:
+        yield
+    except NonFiniteError as exc:
+        if run.writer is not None:
+            run.writer.wait()
+        where = (
+            "nothing of it was saved; the last committed checkpoint stays the latest"
+            if run.writer is not None
+            else "nothing was saved (no --save)"
+        )
+        raise UserError(f"rollout {rollout_id}: {exc}; {where}") from None
+
+
 def log_and_save(run: Run, progress: RunProgress, preempt, record: dict, records: list, state):
     """Log the rollout's record, save it if due (`state(run, rollout_id)` gives what to save),
     append it to `records`; returns why the run stops after it (None: it goes on)."""
@@ -270,7 +299,11 @@ def log_and_save(run: Run, progress: RunProgress, preempt, record: dict, records
     scheduled = cfg.checkpoint.should_save(rollout_id, run.plan.num_rollout)
     if run.writer is not None and (scheduled or sentinel or stop_reason):
         progress.phase(rollout_id, "save")
-        run.writer.save(rollout_id, state(run, rollout_id))
+        snapshot = state(run, rollout_id)
+        poison_point("nan_before_commit", list(snapshot.model.values()))
+        with nonfinite_stop(run, rollout_id):
+            check_checkpoint(snapshot)  # a NaN checkpoint never becomes the tracked one
+        run.writer.save(rollout_id, snapshot)
         record["saved"] = True
     if sentinel:
         preempt.clear_sentinel()

@@ -9,13 +9,14 @@ default, token mean with `--calculate-per-token-loss`, as in miles.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-from mileage.distributed import env
-from mileage.faults import fault_point
+from mileage import ranks
+from mileage.faults import fault_point, poison_point
 from mileage.precision import autocast
 from mileage.seeding import derive_seed
 from mileage.training.advantages import compute_advantages
@@ -23,6 +24,7 @@ from mileage.training.algo import AlgoConfig, load_custom_loss
 from mileage.training.batch import TrainBatch
 from mileage.training.corrections import opsm_keep
 from mileage.training.critic import Critic
+from mileage.training.finite import FiniteConfig, NonFiniteError, bad_stat, check_tensors
 from mileage.training.logprobs import token_logprobs
 from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss
 from mileage.training.optimizer import LRSchedule
@@ -89,6 +91,7 @@ class Actor:
         reference: torch.nn.Module | None = None,
         critic: Critic | None = None,
         dropout_seed: int | None = None,
+        finite: FiniteConfig | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -102,7 +105,9 @@ class Actor:
         # set when training uses dropout (LoRA): each optimizer step draws its dropout masks
         # from a generator seeded by (seed, step), so a resumed run drops the same units
         self.dropout_seed = dropout_seed
+        self.finite = finite or FiniteConfig()
         self.step = 0
+        self.nonfinite_skipped = 0  # optimizer steps skipped for a NaN/inf loss or gradient
         self._custom_loss = None
 
     @torch.no_grad()
@@ -118,6 +123,7 @@ class Actor:
     def prepare(self, batch: TrainBatch, micro: int) -> None:
         """Attach reference log-probs (if any) and advantages."""
         algo = self.algo
+        check_tensors("a reward", [("rewards", batch.rewards)])
         token_kl = None
         if self.reference is not None:
             batch.ref_logprobs = self._reference_logprobs(batch, micro)
@@ -138,6 +144,8 @@ class Actor:
             values=batch.values,
             normalize=algo.normalize_advantages,
         )
+        # finite rewards can still overflow here (e.g. 1e308 in a group's mean)
+        check_tensors("an advantage", [("advantages", batch.advantages)])
 
     def release_gradients(self) -> None:
         """Free the actor's and the critic's gradients once a rollout's optimizer steps are done:
@@ -162,17 +170,22 @@ class Actor:
         totals: dict[str, float] = {}
         grad_norms, lrs = [], []
         per_token = self.algo.calculate_per_token_loss
+        skipped_before = self.nonfinite_skipped
         for g_start in range(0, len(batch), gbs):
             mask = batch.loss_mask[g_start : g_start + gbs]
             denominator = LossReducer.global_denominator(mask, per_token)
             self.optimizer.zero_grad(set_to_none=True)
+            step_stats: dict[str, float] = {}
             with self._step_rng():
-                for m_start, m_end in env.micro_batches(g_start, gbs, mbs):  # this rank's share
+                for m_start, m_end in ranks.micro_batches(g_start, gbs, mbs):  # this rank's share
                     part = batch.slice(m_start, m_end)
                     reduce = LossReducer(part.loss_mask, per_token, denominator)
                     stats = self._accumulate(part, reduce)
                     for key, value in stats.items():
-                        totals[key] = totals.get(key, 0.0) + value
+                        step_stats[key] = step_stats.get(key, 0.0) + value
+            for key, value in step_stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+            poison_point("nan_gradient", [p.grad for p in self.model.parameters()])
             if self.clip_grad > 0:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
             else:
@@ -180,24 +193,61 @@ class Actor:
                     [p.grad for p in self.model.parameters() if p.grad is not None]
                 )
             lr = self.schedule.lr_at(self.step)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+            if self._applies(norm, step_stats):
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
+                grad_norms.append(float(norm))
             self.step += 1
             fault_point("optimizer_step")
-            grad_norms.append(float(norm))
             lrs.append(lr)
+        poison_point("nan_weight", [p for p in self.model.parameters() if p.requires_grad])
+        # a finite gradient with a finite LR keeps AdamW's weights finite, but nothing else here
+        # would notice if it did not: one pass over the trained weights per rollout
+        check_tensors(
+            f"the weights after optimizer step {self.step}",
+            ((n, p) for n, p in self.model.named_parameters() if p.requires_grad),
+        )
         self.model.eval()
-        totals = env.sum_over_ranks(totals)
+        totals = ranks.sum_over_ranks(totals)
         abs_diff, tokens = totals.pop(_ABS_DIFF, None), totals.pop(_TOKENS, None)
-        result = {key: value / len(grad_norms) for key, value in totals.items()}
+        result = {key: value / len(lrs) for key, value in totals.items()}
         if abs_diff is not None:  # the same token mean as a recompute logs
             result["logprob_abs_diff"] = abs_diff / max(tokens, 1.0)
         result.update(critic_stats)
-        result.update(
-            grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], lrs=lrs, global_step=self.step
-        )
+        if grad_norms:  # the norms of the steps applied
+            result["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if self.nonfinite_skipped:
+            result["nonfinite_skipped"] = self.nonfinite_skipped - skipped_before
+        result.update(lr=lrs[-1], lrs=lrs, global_step=self.step)
         return result
+
+    def _applies(self, norm: torch.Tensor, step_stats: dict[str, float]) -> bool:
+        """Whether this optimizer step's loss and gradient are finite on every rank; if not,
+        stop with `NonFiniteError`, or (--no-check-for-nan-in-loss-and-grad) skip the step."""
+        loss = bad_stat(step_stats)
+        loss_anywhere = ranks.any_rank(loss is not None)
+        if not loss_anywhere and math.isfinite(float(norm)):
+            return True
+        quantity, detail = (
+            ("the loss", loss or "a loss term on another rank")
+            if loss_anywhere
+            else ("the gradient", f"global norm {float(norm)}")
+        )
+        detail += f" at optimizer step {self.step}"
+        if self.finite.check_for_nan_in_loss_and_grad:
+            raise NonFiniteError(
+                quantity, detail + " (--no-check-for-nan-in-loss-and-grad skips such steps)"
+            )
+        self.nonfinite_skipped += 1
+        if self.nonfinite_skipped > self.finite.max_nonfinite_skips:
+            raise NonFiniteError(
+                quantity,
+                f"{detail}; {self.nonfinite_skipped} steps skipped in this run, more than "
+                f"--max-nonfinite-skips {self.finite.max_nonfinite_skips}",
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        return False
 
     @contextmanager
     def _step_rng(self) -> Iterator[None]:
@@ -276,7 +326,11 @@ class Actor:
         return stats
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        state = {"step": self.step}
+        if self.nonfinite_skipped:  # only then: other runs keep byte-identical trainer states
+            state["nonfinite_skipped"] = self.nonfinite_skipped
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
