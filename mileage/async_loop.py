@@ -35,6 +35,7 @@ from mileage.loop import (
     rollout_record,
     start,
     sync_engine,
+    train_rollout,
 )
 from mileage.progress import RunProgress
 from mileage.rollout.buffer import STATE_KEY, Group, RolloutBuffer
@@ -56,6 +57,9 @@ class Producer:
         # threads where the engine is driven (under torchrun: rank 0, results broadcast)
         self.background = BackgroundGeneration(run.engine, workers)
         self.pending: deque[tuple[int, int, Future | None]] = deque()  # (slot, policy, result)
+        # slot -> (seconds the generation thread spent on it, its response tokens): the
+        # throughput of a rollout is the generator's, not tokens over the trainer's wait
+        self.slot_time: dict[int, tuple[float, int]] = {}
 
     def submit(self, policy_rollouts: int) -> None:
         """The next slot, generated with the engine's current weights (`policy_rollouts`)."""
@@ -68,10 +72,12 @@ class Producer:
             (slot, policy_rollouts, self.background.submit(self._generate, slot, prompts))
         )
 
-    def _generate(self, engine, slot: int, prompts) -> list:
+    def _generate(self, engine, slot: int, prompts) -> tuple[list, float]:
+        """The slot's samples and the seconds this thread spent generating them."""
         fault_point("async_generating")  # in the thread, while the trainer trains
+        began = time.perf_counter()
         rc = self.run.cfg.rollout
-        return generate_samples(
+        samples = generate_samples(
             engine,
             self.run.encode,
             prompts,
@@ -82,6 +88,7 @@ class Producer:
             slot,
             self.run.agent,
         )
+        return samples, time.perf_counter() - began
 
     def groups_ahead(self) -> int:
         """Groups generated or generating that no rollout has taken yet."""
@@ -90,11 +97,17 @@ class Producer:
 
     def collect_oldest(self) -> None:
         slot, policy, future = self.pending.popleft()
-        samples = self.background.result(future)
+        samples, seconds = self.background.result(future)
+        self.slot_time[slot] = (seconds, sum(len(s.response_ids) for s in samples))
         rc = self.run.cfg.rollout
         if rc.save_debug_rollout_data:
             save_samples(rc.save_debug_rollout_data, slot, samples)
         self.buffer.put(slot, policy, samples, rc.n_samples_per_prompt)
+
+    def forget_times(self, untrained_slots) -> None:
+        """Drop the times of slots no untrained group or slot in flight comes from."""
+        keep = {*untrained_slots, *(slot for slot, _, _ in self.pending)}
+        self.slot_time = {s: t for s, t in self.slot_time.items() if s in keep}
 
     def drain(self) -> None:
         """Wait for every slot in flight (before the engine's weights change, and before a save)."""
@@ -230,6 +243,21 @@ def take_groups(
         producer.submit(engine_policy)
 
 
+def generation_rate(groups: list[Group], slot_time: dict[int, tuple[float, int]]) -> float | None:
+    """Response tokens per second of generation for `groups`: each is charged its slot's busy
+    seconds in proportion to its tokens, so a rollout of whole slots gets their own rate. None
+    when no group's slot was timed here (all restored from a checkpoint)."""
+    tokens = seconds = 0.0
+    for group in groups:
+        if group.slot not in slot_time:
+            continue
+        busy, slot_tokens = slot_time[group.slot]
+        count = sum(len(s.response_ids) for s in group.samples)
+        tokens += count
+        seconds += busy * count / slot_tokens if slot_tokens else 0.0
+    return tokens / seconds if seconds > 0 else None
+
+
 def staleness_stats(groups: list[Group], trained: int, stale: int) -> dict:
     ages = [trained - g.policy_rollouts for g in groups]
     return {
@@ -286,7 +314,7 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
                     correction = correct_off_policy(run, batch, old_actor, groups, rollout_id)
                 else:
                     correction = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
-                stats = {**run.actor.train_rollout(batch), **correction}
+                stats = {**train_rollout(run, rollout_id, batch), **correction}
                 trained = time.perf_counter()
                 producer.drain()
                 last_rollout = rollout_id == plan.num_rollout - 1
@@ -304,6 +332,9 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
                     rollout_id, prompts, samples, stats, (started, generated, trained, synced)
                 )
                 record.update(staleness_stats(groups, rollout_id, stale))
+                # rollout_record's rate divides by the wait for groups generated ahead
+                record["tokens_per_s"] = generation_rate(groups, producer.slot_time)
+                producer.forget_times(g.slot for g in producer.buffer.groups)
                 if engine_policy == rollout_id + 1:  # evaluation generates with the engine
                     evaluate_if_due(run, progress, record)
                 stop_reason = log_and_save(run, progress, preempt, record, records, state)

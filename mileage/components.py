@@ -48,11 +48,12 @@ from mileage.models.hf import (
 )
 from mileage.models.lora import MergedView, adapter_tensors
 from mileage.models.tensors import model_tensors
-from mileage.models.tiny import (
+from mileage.rollout.builtin_model import (
     ensure_builtin_model,
 )
 from mileage.precision import set_precision
 from mileage.preflight import Preflight
+from mileage.progress import restored_line
 from mileage.rollout.agent import DEFAULT_CONTEXT, Agent
 from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
 from mileage.rollout.data import (
@@ -294,6 +295,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         reference=reference,
         critic=critic,
         dropout_seed=cfg.loop.seed if lora is not None and cfg.lora.lora_dropout else None,
+        finite=cfg.finite,
     )
     resumed = read_json(plan.weights_from, TRAINER_STATE) if plan.action == RESUME else {}
     wandb_run_id = resumed.get("tracking", {}).get("wandb_run_id")
@@ -374,7 +376,8 @@ def restore(run: Run, log) -> None:
         # the buffered groups belong to the data position: the prompts they hold were drawn
         if run.buffer is not None and trainer.get(STATE_KEY):
             run.buffer.load_state_dict(trainer[STATE_KEY])
-    log(f"restored {plan.weights_from}: optimizer step {run.actor.step}, data {trainer['data']}")
+    data = trainer["data"] if plan.load_data_state else None
+    log(restored_line(plan.weights_from, plan.iteration, run.actor.step, data))
 
 
 def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:

@@ -28,6 +28,7 @@ from mileage.rollout.userfn import HookConfig
 from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
 from mileage.training.critic import CriticConfig
+from mileage.training.finite import FiniteConfig
 from mileage.training.mismatch import MismatchConfig
 from mileage.training.optimizer import OptimConfig
 
@@ -38,7 +39,7 @@ DEFAULT_NUM_ROLLOUT = 150
 # are for fine-tuning billion-parameter models and leave the ~3M built-in model where it starts
 # within the demo's 150 rollouts, and the README's measured accuracy is for a token-mean loss.
 # Applied only when neither --prompt-data nor --hf-checkpoint is given, and only to the flags of
-# this list that were not given; the plan prints which ones it applied.
+# this list that were not given; the plan prints which defaults these flags took, demo's or miles'.
 DEMO_DEFAULTS = {
     "lr": 1e-4,
     "adam_beta2": 0.98,
@@ -54,6 +55,18 @@ TASK_DEFAULTS = {tool_task.TASK: tool_task.RUN_DEFAULTS}
 TASK_DEFAULTS_ALL = sorted({name for flags in TASK_DEFAULTS.values() for name in flags})
 
 
+def flag_values(values: dict) -> str:
+    """`--lr 1e-06 --calculate-per-token-loss`: flags as the user would give them."""
+    return " ".join(
+        f"--{name.replace('_', '-')}"
+        if value is True
+        else f"without --{name.replace('_', '-')}"
+        if value is False
+        else f"--{name.replace('_', '-')} {value}"
+        for name, value in values.items()
+    )
+
+
 class NotGiven:
     """A flag's default in the parsed namespace, marking that the user did not give the flag."""
 
@@ -66,26 +79,29 @@ class NotGiven:
     __str__ = __repr__
 
 
-def _apply_demo_defaults(ns: argparse.Namespace) -> dict:
+def _apply_demo_defaults(ns: argparse.Namespace) -> tuple[dict, dict]:
     """Resolve NotGiven markers: the demo's value for the built-in demo, the flag's otherwise;
-    then the built-in task's own flags when it supplies the prompts."""
+    then the built-in task's own flags when it supplies the prompts. Returns the values the
+    demo or task applied, and the DEMO_DEFAULTS flags that kept miles' default instead."""
     builtin_prompts = getattr(ns, "prompt_data", None) is None
     demo = builtin_prompts and getattr(ns, "hf_checkpoint", None) is None
     task = TASK_DEFAULTS.get(getattr(ns, "builtin_task", None), {}) if builtin_prompts else {}
-    applied = {}
+    applied, kept = {}, {}
     for name, demo_value in DEMO_DEFAULTS.items():
         value = getattr(ns, name, None)
         if isinstance(value, NotGiven):
             setattr(ns, name, demo_value if demo else value.value)
             if demo:
                 applied[name] = demo_value
+            else:
+                kept[name] = value.value
     for name in TASK_DEFAULTS_ALL:
         value = getattr(ns, name, None)
         if isinstance(value, NotGiven):
             setattr(ns, name, task.get(name, value.value))
             if name in task:
                 applied[name] = task[name]
-    return applied
+    return applied, kept
 
 
 @dataclass
@@ -122,6 +138,7 @@ SECTIONS = (
     ("algo", AlgoConfig, "algorithm"),
     ("critic", CriticConfig, "PPO critic"),
     ("optim", OptimConfig, "optimizer"),
+    ("finite", FiniteConfig, "non-finite values (NaN/inf in a loss, gradient or weight)"),
     ("lora", LoraConfig, "LoRA (PEFT)"),
     ("loop", LoopConfig, "loop"),
     ("eval", EvalConfig, "evaluation"),
@@ -146,6 +163,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    finite: FiniteConfig = field(default_factory=FiniteConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -154,8 +172,10 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # `mileage train-async` only (and `plan`, which plans for either); defaults elsewhere
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
-    # the DEMO_DEFAULTS this run took (empty unless it is the built-in demo)
+    # the DEMO_DEFAULTS this run took (empty unless it is the built-in demo) and the task's
     demo_defaults: dict = field(default_factory=dict)
+    # the DEMO_DEFAULTS flags that kept miles' defaults (not given, and not the built-in demo)
+    miles_defaults: dict = field(default_factory=dict)
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, asynchronous: bool = False) -> None:
@@ -169,10 +189,10 @@ class RunConfig:
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> RunConfig:
         ns = argparse.Namespace(**vars(ns))
-        applied = _apply_demo_defaults(ns)
+        applied, kept = _apply_demo_defaults(ns)
         cfg = cls(**{name: from_namespace(section, ns) for name, section, _ in SECTIONS})
         cfg.asynchronous = from_namespace(AsyncConfig, ns)
-        cfg.demo_defaults = applied
+        cfg.demo_defaults, cfg.miles_defaults = applied, kept
         cfg.validate()
         return cfg
 
@@ -195,6 +215,7 @@ class RunConfig:
         ("optim", "lr_decay_iters"),
     )
     NON_NEGATIVE = (
+        ("finite", "max_nonfinite_skips"),
         ("loop", "eval_interval"),
         ("checkpoint", "start_rollout_id"),
         ("checkpoint", "ckpt_step"),
@@ -211,17 +232,23 @@ class RunConfig:
     )
 
     def demo_note(self) -> str | None:
-        """One line naming the defaults the built-in demo or task chose, or None."""
-        if not self.demo_defaults:
-            return None
-        values = " ".join(
-            f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
-            for name, value in self.demo_defaults.items()
-        )
-        return (
-            f"built-in demo: using its own defaults {values} (run_config.DEMO_DEFAULTS, "
-            "TASK_DEFAULTS)"
-        )
+        """One line naming where the values of the flags the demo has its own defaults for
+        came from, when not given: the built-in demo's, or miles' (with --prompt-data or
+        --hf-checkpoint the demo's do not apply, and miles' lr is 100x smaller); and a built-in
+        task's own flags. None when the user gave every such flag."""
+        demo = {n: v for n, v in self.demo_defaults.items() if n in DEMO_DEFAULTS}
+        task = {n: v for n, v in self.demo_defaults.items() if n not in DEMO_DEFAULTS}
+        parts = []
+        if demo:
+            parts.append(f"the built-in demo's {flag_values(demo)}")
+        if self.miles_defaults:
+            parts.append(
+                f"miles' {flag_values(self.miles_defaults)} (the built-in demo's own apply "
+                "only without --prompt-data and --hf-checkpoint)"
+            )
+        if task:
+            parts.append(f"built-in task {self.data.builtin_task}'s {flag_values(task)}")
+        return "defaults: " + "; ".join(parts) if parts else None
 
     def validate(self) -> None:
         r = self.rollout
