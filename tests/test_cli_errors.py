@@ -6,10 +6,12 @@ unrelated one that happens to exit 2 as well.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import fast_train_args
 
-from mileage.cli.main import main
+from mileage.cli.main import build_parser, main
 
 # every count or length flag: zero and negative are refused by their own check
 POSITIVE_FLAGS = [
@@ -158,3 +160,41 @@ def test_corrupt_checkpoint_is_refused_and_left_alone(cli, tiny_hf, tmp_path):
     assert verify.returncode == 1 and str(shard) in verify.stderr
     older = cli(*args, "--num-rollout", 4, "--ckpt-step", 0)
     assert older.returncode == 0, older.stderr  # the previous good checkpoint still works
+
+
+def test_a_flag_of_train_async_given_to_train_names_the_command_that_takes_it(capsys):
+    assert main(["train", "--fully-async"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "mileage: error: unrecognized arguments: --fully-async (--fully-async is a flag of "
+        "`mileage train-async`; run `mileage train-async ...`)"
+    )
+    assert main(["train", "--no-such-flag"]) == 2
+    assert "--no-such-flag (see `mileage train --help`)" in capsys.readouterr().err
+
+
+def test_eval_help_lists_the_flags_evaluation_reads_and_eval_takes_trains_flags(capsys):
+    from mileage.cli.eval_command import eval_flags
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    listed = set(re.findall(r"^  (--[a-z0-9-]+)", capsys.readouterr().out, re.MULTILINE))
+    assert listed == eval_flags() | {"--json"}
+    assert {"--eval-prompt-data", "--load", "--rollout-engine", "--seed"} <= listed
+    assert not {"--lr", "--save-interval", "--global-batch-size", "--lora-rank"} & listed
+    # a training command's flags still parse: its user functions see them as in training
+    args = build_parser().parse_args(["eval", "--lr", "0.5", "--save-interval", "2"])
+    assert (args.lr, args.save_interval) == (0.5, 2)
+
+
+def test_custom_loss_takes_the_file_form_of_the_other_hooks(tmp_path, capsys):
+    from mileage.training.algo import AlgoConfig, load_custom_loss
+
+    path = tmp_path / "my_loss.py"
+    path.write_text("def loss(algo, batch, logprobs, reduce):\n    return reduce(logprobs), {}\n")
+    AlgoConfig(loss_type="custom_loss", custom_loss_function_path=f"{path}:loss").validate(4)
+    assert callable(load_custom_loss(f"{path}:loss"))
+    flags = ["--loss-type", "custom_loss", "--custom-loss-function-path", f"{path}:nope"]
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"--custom-loss-function-path: '{path}' has no function 'nope'" in err, err
