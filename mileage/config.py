@@ -15,6 +15,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from mileage.errors import UserError
+
 T = TypeVar("T")
 
 # the range of a signed 64-bit integer: torch, numpy and the checkpoint's JSON readers hold every
@@ -148,6 +150,10 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
     """Build dataclass `cls` from the parsed flags (fields without a flag keep their default)."""
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+    for name, value in values.items():
+        if isinstance(value, list) and not _is_list_field(cls, name):
+            # argparse turns `--flag=--` into an empty list, not an error
+            raise UserError(f"argument {flag_of(cls, name)}: expected one value, got {value!r}")
     # a repeatable flag never given parses as None; the field's default is an empty list
     values = {k: v for k, v in values.items() if v is not None or not _is_list_field(cls, k)}
     return cls(**values)
