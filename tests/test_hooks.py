@@ -34,6 +34,9 @@ HOOKS = """
 import asyncio, sys, threading
 
 RELEASE = threading.Event()  # set by the tests: lets a hung hook's thread end
+# a "hang" ends by itself after this long, so a timeout that never fires fails the test
+# (the hook returns) instead of hanging it (mutant hook-timeout-never-fires)
+HANG = 15
 
 
 def reward_of(value):
@@ -60,12 +63,14 @@ def exits(prompt, response, label):
 
 
 def hangs(prompt, response, label):
-    RELEASE.wait()
+    RELEASE.wait(HANG)
     return 0.0
 
 
 async def hangs_async(prompt, response, label):
-    while not RELEASE.is_set():
+    for _ in range(HANG * 100):
+        if RELEASE.is_set():
+            break
         await asyncio.sleep(0.01)
     return 0.0
 
@@ -110,7 +115,7 @@ async def generate_exits(ctx, sample, params):
 
 async def generate_blocks(ctx, sample, params):
     await ctx.client.generate(sample.prompt_ids)
-    RELEASE.wait()  # blocks the event loop: only the watching thread can see it
+    RELEASE.wait(HANG)  # blocks the event loop: only the watching thread can see it
     return sample
 
 
@@ -326,8 +331,8 @@ def test_a_hung_reward_stops_train_before_the_rollout_is_saved(hooks, tiny_hf, t
         "calls = []\n"
         "def reward(prompt, response, label):\n"
         "    calls.append(1)\n"
-        "    if len(calls) > 16:  # rollout 1\n"
-        "        threading.Event().wait()\n"
+        "    if len(calls) == 17:  # rollout 1's first sample (ends: a mutant fails, not hangs)\n"
+        "        threading.Event().wait(30)\n"
         "    return 0.0\n"
     )
     save = tmp_path / "run"
