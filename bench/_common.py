@@ -233,6 +233,6 @@ def served_model(extra: list[str]) -> str:
     """The model a benchmark's server serves: the run's --hf-checkpoint, else the built-in."""
     if "--hf-checkpoint" in extra:
         return extra[extra.index("--hf-checkpoint") + 1]
-    from mileage.models.tiny import ensure_builtin_model
+    from mileage.rollout.builtin_model import ensure_builtin_model
 
     return str(ensure_builtin_model("addition", log=lambda *_: None))

@@ -357,7 +357,7 @@ def main(argv=None) -> int:
         print(json.dumps((save_op if "save" in spec["op"] else load_op)(spec["op"], spec)))
         return 0
     out = common.output_path(args.out or f"checkpoint_{args.model}")  # before measuring
-    from mileage.models.tiny import ensure_builtin_model
+    from mileage.rollout.builtin_model import ensure_builtin_model
 
     if args.model == "smollm2" and not args.hf_dir:
         lines = output(sys.executable, "-m", "mileage", "smollm2").splitlines()

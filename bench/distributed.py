@@ -128,7 +128,7 @@ def serving(model: str, hf_dir: str | None, remote: bool) -> Iterator[str | None
     if not remote:
         yield None
         return
-    from mileage.models.tiny import ensure_builtin_model
+    from mileage.rollout.builtin_model import ensure_builtin_model
     from mileage.testing.servers import start_servers
 
     path = hf_dir or str(ensure_builtin_model("addition"))

@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     import torch
 
     from mileage.models.hf import load_tokenizer  # noqa: F401  (offline, quiet HF)
-    from mileage.models.tiny import ensure_builtin_model
+    from mileage.rollout.builtin_model import ensure_builtin_model
 
     torch.set_num_threads(args.threads)
     info = machine_info(args.threads)

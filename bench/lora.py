@@ -125,7 +125,7 @@ def main() -> None:
     before = common.load_average()
     served = None
     if args.engine == "serve":
-        from mileage.models.tiny import ensure_builtin_model
+        from mileage.rollout.builtin_model import ensure_builtin_model
 
         served = args.model if args.model != "tiny" else str(ensure_builtin_model("addition"))
     modes = SERVE_MODES if served else MODES

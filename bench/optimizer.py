@@ -28,7 +28,7 @@ IMPLEMENTATIONS = {
 
 def parameters(hf_checkpoint: str | None):
     from mileage.models.hf import load_causal_lm
-    from mileage.models.tiny import ensure_builtin_model
+    from mileage.rollout.builtin_model import ensure_builtin_model
 
     if hf_checkpoint is None:
         hf_checkpoint = str(ensure_builtin_model("addition", log=lambda *_: None))

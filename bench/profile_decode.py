@@ -24,8 +24,8 @@ from _common import DEFAULT_THREADS
 from torch.profiler import profile
 
 from mileage.models.hf import load_causal_lm, load_tokenizer
-from mileage.models.tiny import ensure_builtin_model
 from mileage.precision import resolve, set_precision
+from mileage.rollout.builtin_model import ensure_builtin_model
 from mileage.rollout.engine import LocalEngine, SamplingParams
 
 

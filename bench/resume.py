@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model = "smollm2" if args.smollm2_dir else "tiny"
     out = output_path(args.out or f"resume_{model}")  # before measuring, not after it
-    from mileage.models.tiny import ensure_builtin_model
+    from mileage.rollout.builtin_model import ensure_builtin_model
 
     model_dir = args.smollm2_dir or str(ensure_builtin_model("addition"))
     info = machine_info(args.threads)

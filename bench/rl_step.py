@@ -309,7 +309,7 @@ def main(argv=None) -> int:
         return trl_worker(args)
 
     out = output_path(args.out)  # before a minute of measuring, not after it
-    from mileage.models.tiny import ensure_builtin_model
+    from mileage.rollout.builtin_model import ensure_builtin_model
 
     frameworks = args.frameworks.split(",")
     plans = []

@@ -48,14 +48,14 @@ from mileage.models.hf import (
 )
 from mileage.models.lora import MergedView, adapter_tensors
 from mileage.models.tensors import model_tensors
-from mileage.rollout.builtin_model import (
-    ensure_builtin_model,
-)
 from mileage.precision import set_precision
 from mileage.preflight import Preflight
 from mileage.progress import restored_line
 from mileage.rollout.agent import DEFAULT_CONTEXT, Agent
 from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
+from mileage.rollout.builtin_model import (
+    ensure_builtin_model,
+)
 from mileage.rollout.data import (
     EvalSet,
     PromptSource,

@@ -17,9 +17,9 @@ from mileage.models.hf import (
     read_config_json,
     require_chat_template,
 )
-from mileage.models.tiny import builtin_config, builtin_model_dir, builtin_tokenizer
 from mileage.precision import BF16, resolve
 from mileage.rollout.agent import UserFunctions, load_user_functions
+from mileage.rollout.builtin_model import builtin_config, builtin_model_dir, builtin_tokenizer
 from mileage.rollout.data import EvalSet, load_eval_sets, load_train_prompts, task_reward
 from mileage.rollout.dynamic import (
     BufferFilter,

@@ -2,7 +2,7 @@
 
     python scripts/build_builtin_model.py [--task addition] [--check]
 
-Runs the deterministic warm-up of `mileage/models/tiny.py` (about a minute on 2 threads) and
+Runs the deterministic warm-up of `mileage/rollout/builtin_model.py` (about a minute on 2 threads) and
 writes `mileage/models/builtin/TASK.safetensors` (fp32, as `save_pretrained` writes it) and
 `TASK.json` (recipe, steps, accuracy, sha256, and the CPU and libraries that built it). Then pin
 the printed sha256 in `SHIPPED_WEIGHTS` in tiny.py. Run it after changing the recipe, the
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mileage.models.tiny import (  # noqa: E402
+from mileage.rollout.builtin_model import (  # noqa: E402
     SHIPPED_DIR,
     SHIPPED_WEIGHTS,
     build_builtin_weights,
@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         if sha == pinned:
             print(f"identical to the pinned weights (sha256 {sha})")
         else:
-            print(f'now pin it in mileage/models/tiny.py SHIPPED_WEIGHTS: "{args.task}": "{sha}"')
+            print(
+                f'now pin it in mileage/rollout/builtin_model.py SHIPPED_WEIGHTS: "{args.task}": "{sha}"'
+            )
         return 0
     if pinned is None:
         print(f"the {args.task} model is not shipped (not in SHIPPED_WEIGHTS); nothing to check")

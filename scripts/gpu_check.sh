@@ -37,7 +37,7 @@ echo "proved: $NPROC rank(s) train, save and resume on the GPU"
 
 # Rollout servers on the GPU, when their packages are installed in this Python (SGLANG_PYTHON /
 # VLLM_PYTHON may name other environments). Written for a GPU machine; not run yet.
-MODEL=$($PY -c 'from mileage.models.tiny import builtin_model_dir; print(builtin_model_dir("addition"))')
+MODEL=$($PY -c 'from mileage.rollout.builtin_model import builtin_model_dir; print(builtin_model_dir("addition"))')
 SPY=${SGLANG_PYTHON:-$PY}
 if $SPY -c 'import sglang' 2>/dev/null; then
   echo "== SGLang on the GPU (--enable-deterministic-inference): disk sync, then broadcast in buckets"

@@ -582,7 +582,7 @@ MUTANTS = [
     Mutant(
         "dist-micro-batches-overlap",
         "every rank trains on the first rank's share of the global batch",
-        "mileage/distributed/env.py",
+        "mileage/ranks.py",
         "    mine = share(global_batch)\n",
         "    mine = share(global_batch, index=0)\n",
         (DIST_N1,),
@@ -590,7 +590,7 @@ MUTANTS = [
     Mutant(
         "dist-stats-from-rank-0",
         "logged training statistics are rank 0's alone, not summed over ranks",
-        "mileage/distributed/env.py",
+        "mileage/ranks.py",
         "    if not is_distributed():\n        return values\n    total",
         "    if True:\n        return values\n    total",
         (DIST_N1,),
@@ -616,7 +616,7 @@ MUTANTS = [
         "under torchrun every rank trains the critic on the whole global batch (its summed "
         "gradient is N times one process's)",
         "mileage/training/critic.py",
-        "            for m_start, m_end in env.micro_batches(g_start, gbs, mbs):\n",
+        "            for m_start, m_end in ranks.micro_batches(g_start, gbs, mbs):\n",
         "            for m_start, m_end in [(m, m + mbs) for m in range(g_start, g_start + gbs, mbs)]:\n",
         (DIST_PPO_N1,),
     ),
@@ -624,7 +624,7 @@ MUTANTS = [
         "dist-critic-stats-from-this-rank",
         "the critic's value loss and clip fraction are this rank's share, not summed over ranks",
         "mileage/training/critic.py",
-        '        totals = env.sum_over_ranks({"value_loss": loss_total, "value_clipfrac": clip_total})\n',
+        '        totals = ranks.sum_over_ranks({"value_loss": loss_total, "value_clipfrac": clip_total})\n',
         '        totals = {"value_loss": loss_total, "value_clipfrac": clip_total}\n',
         (DIST_PPO_N1,),
     ),
@@ -689,7 +689,7 @@ MUTANTS = [
     Mutant(
         "builtin-shipped-sha-unchecked",
         "the shipped built-in weights are unpacked without checking their pinned sha256",
-        "mileage/models/tiny.py",
+        "mileage/rollout/builtin_model.py",
         "    if actual != expected:\n",
         "    if False:\n",
         (BUILTIN,),
@@ -697,7 +697,7 @@ MUTANTS = [
     Mutant(
         "builtin-cache-trusted",
         "a cached built-in model is used without checking it is the shipped one",
-        "mileage/models/tiny.py",
+        "mileage/rollout/builtin_model.py",
         "        if file_sha256(weights) == expected:\n",
         "        if True:\n",
         (BUILTIN,),
@@ -1731,7 +1731,7 @@ MUTANTS = [
     Mutant(
         "tool-task-warmup-trains-the-tool-output",
         "the addition-tool warm-up trains the model to write the calculator's result",
-        "mileage/models/tiny.py",
+        "mileage/rollout/builtin_model.py",
         "labels += piece if trained else [-100] * len(piece)",
         "labels += piece",
         (TOOL_TASK_LABELS,),

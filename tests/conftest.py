@@ -161,7 +161,7 @@ def builtin_train_args(*extra: str) -> list[str]:
 @pytest.fixture(scope="session")
 def builtin_model(mileage_home, tmp_path_factory) -> Path:
     """The built-in model's directory, built once per test session (cached in MILEAGE_HOME)."""
-    from mileage.models.tiny import ensure_builtin_model
+    from mileage.rollout.builtin_model import ensure_builtin_model
 
     def build(_directory: Path) -> dict:
         # built here rather than by a first launch: a process that builds the model ends with

@@ -10,9 +10,9 @@ import pytest
 from safetensors import safe_open
 
 from mileage.errors import UserError
-from mileage.models import tiny
 from mileage.models.hf import load_causal_lm, load_tokenizer
-from mileage.models.tiny import (
+from mileage.rollout import builtin_model as tiny
+from mileage.rollout.builtin_model import (
     SHIPPED_DIR,
     SHIPPED_WEIGHTS,
     WARMUP_RECIPE,

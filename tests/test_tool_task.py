@@ -126,7 +126,7 @@ def tool_model(mileage_home):
     """The shipped addition-tool model (unpacked, never warmed up here)."""
     import torch
 
-    from mileage.models.tiny import SHIPPED_WEIGHTS, ensure_builtin_model
+    from mileage.rollout.builtin_model import SHIPPED_WEIGHTS, ensure_builtin_model
 
     assert "addition-tool" in SHIPPED_WEIGHTS
     with torch.random.fork_rng():
@@ -137,7 +137,12 @@ def test_warmed_model_calls_the_tool_only_sometimes(tool_model):
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from mileage.models.tiny import SHIPPED_DIR, SHIPPED_WEIGHTS, file_sha256, warmup_recipe
+    from mileage.rollout.builtin_model import (
+        SHIPPED_DIR,
+        SHIPPED_WEIGHTS,
+        file_sha256,
+        warmup_recipe,
+    )
 
     pinned = SHIPPED_WEIGHTS["addition-tool"]
     assert file_sha256(SHIPPED_DIR / "addition-tool.safetensors") == pinned
@@ -236,7 +241,7 @@ def test_two_rollouts_end_to_end_with_masked_tool_tokens(tool_model, cli, tmp_pa
 
 
 def test_warmup_labels_skip_the_prompt_and_the_tool_result():
-    from mileage.models.tiny import _demonstration, builtin_tokenizer
+    from mileage.rollout.builtin_model import _demonstration, builtin_tokenizer
 
     tokenizer = builtin_tokenizer("addition-tool")
     record = {"prompt": "4821+3907=", "label": "8728"}

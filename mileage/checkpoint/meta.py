@@ -17,6 +17,7 @@ import torch
 import transformers
 
 import mileage
+from mileage import ranks
 from mileage.checkpoint.layout import (
     META,
     architecture,
@@ -24,7 +25,6 @@ from mileage.checkpoint.layout import (
     fingerprint,
     read_tracker,
 )
-from mileage.distributed import env
 from mileage.errors import UserError
 
 MODEL_SOURCE = "model_source"
@@ -42,7 +42,7 @@ def checkpoint_meta(
         "kind": "iteration" if rollout_id is not None else "release",
         "rollout_id": rollout_id,
         "next_rollout_id": None if rollout_id is None else rollout_id + 1,
-        "world_size": env.world_size(),
+        "world_size": ranks.world_size(),
         "model_config": architecture(model_config),
         "model_config_fingerprint": fingerprint(model_config),
         MODEL_SOURCE: source,
@@ -109,7 +109,7 @@ def recorded_model_dir(checkpoint: str | Path, log) -> str:
     path = Path(source.get("hf_checkpoint") or "")
     task = source.get("builtin_task")
     if task and not (path / "config.json").is_file():
-        from mileage.models.tiny import ensure_builtin_model
+        from mileage.rollout.builtin_model import ensure_builtin_model
 
         path = ensure_builtin_model(task, log=log)
     elif not path.is_dir():

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from mileage import ranks
 from mileage.checkpoint.layout import CRITIC_DIR
 from mileage.checkpoint.store import CheckpointState
 from mileage.checkpoint.tensors import (
@@ -28,7 +29,6 @@ from mileage.checkpoint.tensors import (
     optimizer_tensors,
 )
 from mileage.config import option
-from mileage.distributed import env
 from mileage.errors import UserError
 from mileage.models.hf import empty_causal_lm
 from mileage.models.tensors import model_tensors
@@ -166,7 +166,7 @@ class Critic:
             # under torchrun each rank takes its share of the global batch, as the actor does:
             # the sharded critic's gradients are summed over ranks (never averaged), and every
             # rank divides by the whole batch's denominator, so the sum is one process's gradient
-            for m_start, m_end in env.micro_batches(g_start, gbs, mbs):
+            for m_start, m_end in ranks.micro_batches(g_start, gbs, mbs):
                 part = batch.slice(m_start, m_end)
                 reduce = LossReducer(part.loss_mask, self.per_token, denominator)
                 per_token, clipped = value_loss(
@@ -186,7 +186,7 @@ class Critic:
             steps += 1
         self.model.eval()
         self.rollouts += 1
-        totals = env.sum_over_ranks({"value_loss": loss_total, "value_clipfrac": clip_total})
+        totals = ranks.sum_over_ranks({"value_loss": loss_total, "value_clipfrac": clip_total})
         return {key: value / steps for key, value in totals.items()}
 
     def state_dict(self) -> dict:

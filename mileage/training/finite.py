@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mileage import ranks
 from mileage.config import option
-from mileage.distributed import env
 from mileage.errors import UserError
 
 
@@ -49,7 +49,7 @@ class FiniteConfig:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's own shard (the check runs on every rank and is agreed by `env.any_rank`)."""
+    """A DTensor's own shard (the check runs on every rank and is agreed by `ranks.any_rank`)."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
 
@@ -67,7 +67,7 @@ def first_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
 def check_tensors(quantity: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Raise `NonFiniteError(quantity)` when any rank holds a non-finite tensor among `tensors`."""
     bad = first_nonfinite(tensors)
-    if env.any_rank(bad is not None):
+    if ranks.any_rank(bad is not None):
         raise NonFiniteError(quantity, f"{bad or 'a tensor on another rank'} holds NaN or inf")
 
 
