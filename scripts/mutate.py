@@ -2017,6 +2017,18 @@ MUTANTS = [
             "test_a_weight_update_of_another_model_is_refused_and_the_old_weights_serve",
         ),
     ),
+    Mutant(
+        "hook-timeout-never-fires",
+        "a user function (reward, generate) that hangs is never stopped by --hook-timeout",
+        "mileage/rollout/userfn.py",
+        "if c.own(now) > self.hook.timeout]",
+        "if False]",
+        (
+            "tests/test_hooks.py::test_a_hung_reward_is_stopped_by_the_hook_timeout",
+            "tests/test_hooks.py::"
+            "test_a_generate_function_blocking_its_event_loop_is_stopped_by_the_timeout",
+        ),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
