@@ -14,12 +14,16 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from mileage.rollout.evaluation import summary
+
 
 def summary_line(record: dict) -> str:
+    """A rollout's line. "reward" is the mean reward, "solved" the share of answers with reward
+    >= 1 (the record's `accuracy`): with rewards other than 0/1 the two differ."""
     parts = [
         f"rollout {record['rollout_id']}",
         f"reward {record['reward_mean']:.3f}",
-        f"acc {record['accuracy']:.3f}",
+        f"solved {record['accuracy']:.3f}",
     ]
     # a PPO critic-only rollout (--num-critic-only-steps) has no policy loss, drift or entropy
     if "ppo_kl" in record:
@@ -30,22 +34,36 @@ def summary_line(record: dict) -> str:
         parts.append(f"entropy {record['entropy']:.3f}")
     if "value_loss" in record:
         parts.append(f"value loss {record['value_loss']:.3f}")
-    parts += [
-        f"lr {record['lr']:.2e}",
-        f"{record['tokens_per_s']:.0f} tok/s",
-        f"{record['step_time']:.2f}s",
-    ]
-    if "eval_accuracy" in record:
-        parts.append(f"eval acc {record['eval_accuracy']:.3f}")
-    else:  # several evaluation datasets: each one's mean reward
-        parts += [
-            f"{key} {value:.3f}"
-            for key, value in record.items()
-            if key.count("/") == 1 and key.startswith("eval/")
-        ]
+    parts.append(f"lr {record['lr']:.2e}")
+    # train-async: None when every group came from a checkpoint (nobody timed its generation)
+    if record.get("tokens_per_s") is not None:
+        parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+    if "staleness_mean" in record:  # train-async: optimizer steps behind the trained weights
+        parts.append(f"staleness {record['staleness_mean']:.2g} (max {record['staleness_max']})")
+    parts.append(f"{record['step_time']:.2f}s")
+    evaluated = summary(record)
+    if evaluated:
+        parts.append(f"eval {evaluated}")
     if "saved" in record:
         parts.append("saved")
     return " | ".join(parts)
+
+
+def restored_line(
+    source: str, iteration: int | None, optimizer_step: int, data: dict | None
+) -> str:
+    """What a resume loaded from checkpoint `source` (`iteration` when it is an iter_N one):
+    the optimizer step and, when restored (`data`: PromptSource.state_dict), the data
+    position, whose digest is cut to what a person compares by eye."""
+    where = f"iteration {iteration} ({source})" if iteration is not None else source
+    line = f"restored {where}: optimizer step {optimizer_step}"
+    if data is not None:
+        order = "shuffled" if data.get("shuffle") else "in file order"
+        line += (
+            f", data epoch {data['epoch']} at prompt {data['offset']} of {data['size']} ({order}"
+        )
+        line += f", digest {data['digest'][:8]})" if data.get("digest") else ")"
+    return line
 
 
 class RunProgress:

@@ -107,7 +107,9 @@ def test_named_eval_sets_log_pass_at_k_and_mileage_eval_reproduces_them(
     done = cli("train", *train, "--log-passrate", "--save", save, "--save-interval", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "eval before training: a " in done.stdout and "; b " in done.stdout
-    assert re.search(r"rollout 1 \|.* \| eval/a \d\.\d{3} \| eval/b \d\.\d{3}", done.stdout)
+    number = r"\d\.\d{3}"
+    each = rf"reward {number} solved {number} \(pass@4 {number}\)"
+    assert re.search(rf"rollout 1 \|.* \| eval a {each}; b {each}", done.stdout)
 
     records = read_metrics(save)
     assert [r["rollout_id"] for r in records] == [-1, 0, 1]

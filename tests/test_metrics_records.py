@@ -83,7 +83,7 @@ ROLLOUT = {
 def test_progress_line_names_the_drift_ppo_kl_and_shows_kl_only_with_a_reference():
     line = summary_line({**ROLLOUT, "ppo_kl": 1.2e-08})
     assert line == (
-        "rollout 41 | reward 0.570 | acc 0.570 | ppo_kl +1.20e-08 | entropy 0.512 | "
+        "rollout 41 | reward 0.570 | solved 0.570 | ppo_kl +1.20e-08 | entropy 0.512 | "
         "lr 1.00e-04 | 3400 tok/s | 0.41s"
     )
     with_ref = summary_line({**ROLLOUT, "ppo_kl": 1.2e-08, "kl": 3.5e-03})
@@ -196,7 +196,7 @@ def test_evaluation_before_training_is_recorded_once_across_kills_everywhere(
     for kill in ("after_metrics:1", "after_metrics:3"):
         killed = cli("train", *args, env={**offline_env, "MILEAGE_KILL_AT": kill})
         assert killed.returncode == -9, killed.stderr[-3000:]
-        assert "eval before training: accuracy" in killed.stdout
+        assert "eval before training: reward" in killed.stdout
     resumed = cli("train", *args, env=offline_env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "eval before training" not in resumed.stdout  # a resume does not evaluate again

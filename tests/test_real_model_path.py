@@ -119,14 +119,12 @@ def test_readme_real_model_commands_run_as_written(chat_hf, tmp_path, mileage_ho
         else:
             assert [r["rollout_id"] for r in records] == [0, 1]
         if "--eval-prompt-data" in argv:  # before training and after the last rollout
-            assert "eval before training: accuracy" in first.stdout
+            assert "eval before training: reward" in first.stdout
             assert {"rollout_id", "eval_accuracy"} <= logged[0].keys()
             assert all(k.startswith("eval") for k in logged[0].keys() - {"rollout_id"})
-            assert (
-                f"eval before training: accuracy {logged[0]['eval_accuracy']:.3f}" in first.stdout
-            )
+            assert f"eval before training: reward {logged[0]['eval_accuracy']:.3f}" in first.stdout
             assert isinstance(records[-1]["eval_accuracy"], float)
-            assert "final eval accuracy" in first.stdout
+            assert "final eval: reward" in first.stdout
         else:  # no held-out data: nothing evaluated, nothing said about it
             assert all("eval_accuracy" not in r for r in logged)
             assert "eval" not in first.stdout

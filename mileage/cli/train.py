@@ -18,6 +18,7 @@ from mileage.errors import UserError
 from mileage.loop import train
 from mileage.preflight import preflight, with_recorded_model
 from mileage.rollout.buffer import describe_saved
+from mileage.rollout.evaluation import summary
 from mileage.run_config import RunConfig
 
 
@@ -130,6 +131,6 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
                 run.engine.close()  # stops a launched server, removes synced weights
             if run.agent is not None:
                 run.agent.close()  # ends the tool worker processes
-    if records and records[-1].get("eval_accuracy") is not None:
-        progress.print(f"final eval accuracy {records[-1]['eval_accuracy']:.3f}")
+    if records and summary(records[-1]):  # the last rollout evaluated
+        progress.print(f"final eval: {summary(records[-1])}")
     return 0

@@ -9,8 +9,11 @@ answers per prompt and logged as
     eval/NAME/response_len     mean answer length in tokens
     eval/NAME/tool_use_rate    share of answers that called a tool (multi-turn runs only)
 
-and, with exactly one dataset, `eval_accuracy` (its mean reward: the key the progress line,
-`mileage plot` and the recipes read). An answer is correct when its reward is >= 1.
+and, with exactly one dataset, `eval_reward`: its mean reward, also written as `eval_accuracy`
+(the key `mileage plot`, the recipes and older tools read; despite its name, the mean reward).
+An answer is solved when its reward is >= 1: pass@1 is the share of answers solved, and the one
+to read when rewards are not 0/1 (a rubric's weights can make the mean reward 1.0 while half
+the answers are wrong). The progress line and `summary` say "reward" and "solved" for them.
 
 Sampled evaluation at rollout N of dataset NAME draws from `SamplingSeed(seed, N,
 "eval/NAME")`: a pure function of the run's seed, the rollout and the dataset, so a resumed run
@@ -42,7 +45,7 @@ from mileage.seeding import derive_seed
 if TYPE_CHECKING:
     from mileage.rollout.agent import Agent
 
-# an answer with at least this reward counts as correct (as for the rollouts' `accuracy`)
+# an answer with at least this reward counts as solved (as for the rollouts' `accuracy`)
 CORRECT = 1.0
 
 
@@ -235,7 +238,8 @@ def evaluate(
         if agent is not None and agent.multi_turn:
             metrics[f"{key}/tool_use_rate"] = tool_use_rate(samples)
     if len(eval_sets) == 1:
-        metrics["eval_accuracy"] = metrics[f"eval/{eval_sets[0].name}"]
+        metrics["eval_reward"] = metrics[f"eval/{eval_sets[0].name}"]
+        metrics["eval_accuracy"] = metrics["eval_reward"]  # its older name (module doc)
     return metrics
 
 
@@ -246,17 +250,14 @@ def rollout_passrate(samples: list[Sample], group_size: int) -> dict[str, float]
 
 
 def summary(metrics: dict[str, float]) -> str:
-    """One line: `accuracy X` for a single dataset, else each dataset's mean reward and pass@n."""
-    if "eval_accuracy" in metrics:
-        return f"accuracy {metrics['eval_accuracy']:.3f}"
+    """One line of each dataset's mean reward, share solved (pass@1) and pass@n when n > 1;
+    a dataset is named when there are several."""
+    datasets = [k for k in metrics if k.startswith("eval/") and k.count("/") == 1]
     parts = []
-    for key, value in metrics.items():
-        if key.startswith("eval/") and key.count("/") == 1:
-            passes = [k for k in metrics if k.startswith(f"{key}/pass@")]
-            best = (
-                f" (pass@{passes[-1].rsplit('@', 1)[1]} {metrics[passes[-1]]:.3f})"
-                if len(passes) > 1
-                else ""
-            )
-            parts.append(f"{key[5:]} {value:.3f}{best}")
+    for key in datasets:
+        text = f"reward {metrics[key]:.3f} solved {metrics[f'{key}/pass@1']:.3f}"
+        passes = [k for k in metrics if k.startswith(f"{key}/pass@")]
+        if len(passes) > 1:
+            text += f" (pass@{passes[-1].rsplit('@', 1)[1]} {metrics[passes[-1]]:.3f})"
+        parts.append(text if len(datasets) == 1 else f"{key[5:]} {text}")
     return "; ".join(parts)
