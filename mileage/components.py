@@ -311,6 +311,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             cfg.checkpoint.save_keep_last,
             cfg.checkpoint.async_save,
             on_commit=_on_commit(_hf_exporter(cfg.checkpoint.save_hf, config_dir, log), journal),
+            schedule=cfg.checkpoint.schedule(plan.num_rollout, env.any_rank),
         )
     encode = PromptEncoder(tokenizer, cfg.data.apply_chat_template)
     model_config = read_config_json(config_dir)
@@ -414,6 +415,7 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             global_step=run.actor.step,
             num_threads=run.cfg.loop.num_threads,
             seed=run.cfg.loop.seed,
+            settings=dict(run.cfg.trajectory_settings()),
             **extra,
             precision=run.plan.precision,
         ),

@@ -296,7 +296,7 @@ def log_and_save(run: Run, progress: RunProgress, preempt, record: dict, records
     elif len(records) + 1 == cfg.loop.debug_exit_after_rollout:
         stop_reason = "--debug-exit-after-rollout"
     sentinel = preempt.sentinel_present()
-    scheduled = cfg.checkpoint.should_save(rollout_id, run.plan.num_rollout)
+    scheduled = run.writer is not None and run.writer.due(rollout_id, run.plan.num_rollout)
     if run.writer is not None and (scheduled or sentinel or stop_reason):
         progress.phase(rollout_id, "save")
         snapshot = state(run, rollout_id)

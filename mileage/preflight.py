@@ -146,6 +146,7 @@ def preflight(cfg: RunConfig) -> Preflight:
         critic_load=cfg.critic.critic_load,
         precision=precision,
         precision_note=precision_note,
+        settings=cfg.trajectory_settings(),
     )
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:

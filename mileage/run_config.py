@@ -250,6 +250,24 @@ class RunConfig:
             parts.append(f"built-in task {self.data.builtin_task}'s {flag_values(task)}")
         return "defaults: " + "; ".join(parts) if parts else None
 
+    # the settings that decide what a run samples and learns: meta.json records them, and a
+    # resume that changes one is named in the plan (it goes ahead: a change can be deliberate)
+    TRAJECTORY = (
+        ("loop", "seed"),
+        ("rollout", "rollout_batch_size"),
+        ("rollout", "n_samples_per_prompt"),
+        ("rollout", "rollout_max_response_len"),
+        ("rollout", "rollout_temperature"),
+        ("optim", "lr"),
+    )
+
+    def trajectory_settings(self) -> tuple[tuple[str, object], ...]:
+        """(flag, value) of each TRAJECTORY setting of this run."""
+        return tuple(
+            (flag_of(type(getattr(self, section)), name), getattr(getattr(self, section), name))
+            for section, name in self.TRAJECTORY
+        )
+
     def validate(self) -> None:
         r = self.rollout
         for fields, positive in ((self.POSITIVE, True), (self.NON_NEGATIVE, False)):
@@ -274,6 +292,7 @@ class RunConfig:
             if top_p is not None and not 0.0 < top_p <= 1.0:
                 raise UserError(f"{flag} must be in (0, 1], got {top_p}")
         self.algo.validate(r.n_samples_per_prompt)
+        self.checkpoint.validate()
         self.critic.validate(self.algo.advantage_estimator)
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
         self.engine.validate()

@@ -266,15 +266,63 @@ def test_plan_reads_no_tensors(capsys, base, tmp_path, tiny_hf):
     shutil.rmtree(tmp_path)
 
 
-def test_untracked_checkpoints_of_an_interrupted_first_save_do_not_block(
+def test_a_missing_tracker_resumes_from_the_newest_complete_checkpoint(
     capsys, base, tmp_path, tiny_hf
 ):
-    """Killed between rename and tracker on the first save: no tracker means nothing committed."""
+    """Tracker deleted, or a kill between rename and tracker: the newest complete iteration is
+    found (an incomplete newer one is passed over) and the plan says so; nothing is rewritten."""
+    save = tmp_path / "save"
+    for rollout_id in (0, 1, 2):
+        make_checkpoint(save, rollout_id, tiny_hf)
+    (save / "iter_0000003").mkdir()  # an unfinished save: no manifest
+    (save / TRACKER).unlink()
+    code, p = plan(capsys, *base, "--save", save, "--load", save)
+    assert code == 0 and p["action"] == "resume" and p["start_rollout_id"] == 3, p
+    assert p["iteration"] == 2 and p["load_optimizer"] and p["load_data_state"]
+    said = " ".join(p["reasons"])
+    assert f"has no {TRACKER}: resuming from its newest complete checkpoint iter_0000002" in said
+
+
+def test_untracked_complete_checkpoints_are_never_overwritten_by_a_fresh_start(
+    capsys, base, tmp_path, tiny_hf
+):
     save = tmp_path / "save"
     make_checkpoint(save, 0, tiny_hf)
     (save / TRACKER).unlink()
-    code, p = plan(capsys, *base, "--save", save, "--load", save)
-    assert code == 0 and p["action"] == "fresh" and p["start_rollout_id"] == 0
+    code, err = plan(capsys, *base, "--save", save)
+    assert code == 2 and "already holds checkpoints (0 complete)" in err, err
+    assert f"pass --load {save}" in err
+
+
+def test_a_resume_before_newer_checkpoints_says_it_writes_over_them(
+    capsys, base, tmp_path, tiny_hf
+):
+    save = tmp_path / "save"
+    for rollout_id in (0, 1, 2):
+        make_checkpoint(save, rollout_id, tiny_hf)
+    code, p = plan(capsys, *base, "--save", save, "--load", save, "--ckpt-step", 0)
+    assert code == 0 and p["start_rollout_id"] == 1
+    said = [r for r in p["reasons"] if r.startswith("warning:")]
+    assert said and "newer checkpoints (1, 2)" in said[0] and "writes over" in said[0], p
+    code, p = plan(capsys, *base, "--save", save, "--load", save)  # the tracker's: no warning
+    assert not [r for r in p["reasons"] if "newer checkpoints" in r]
+
+
+def test_a_resume_with_other_trajectory_settings_names_them(tmp_path):
+    from mileage.checkpoint.layout import CheckpointInfo, DirState, parse_tracker
+    from mileage.checkpoint.plan import DiskState, StartFlags, plan_start
+
+    meta = {"settings": {"--seed": 1, "--n-samples-per-prompt": 4, "--lr": 1e-4}}
+    info = CheckpointInfo(str(tmp_path / "iter_0000003"), True, "", meta)
+    state = DirState(str(tmp_path), True, tracker=parse_tracker("3"), checkpoints={3: info})
+    disk = DiskState(state, state, None, None, None)
+    same = (("--seed", 1), ("--n-samples-per-prompt", 4), ("--lr", 1e-4))
+    flags = StartFlags("hf", 10, load=str(tmp_path), save=str(tmp_path), settings=same)
+    assert not [r for r in plan_start(flags, disk).reasons if "settings changed" in r]
+    other = (("--seed", 2), ("--n-samples-per-prompt", 8), ("--lr", 1e-4))
+    flags = StartFlags("hf", 10, load=str(tmp_path), save=str(tmp_path), settings=other)
+    (said,) = [r for r in plan_start(flags, disk).reasons if "settings changed" in r]
+    assert "--seed 1 -> 2; --n-samples-per-prompt 4 -> 8." in said, said
 
 
 def test_plan_names_a_precision_change_and_only_then(tmp_path):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mileage.checkpoint.plan import StartFlags
+from mileage.checkpoint.schedule import SaveSchedule, build_schedule
 from mileage.config import option
+from mileage.errors import UserError
 
 
 @dataclass
@@ -35,7 +39,17 @@ class CheckpointConfig:
         None, "first rollout id to run (overrides the checkpoint's)"
     )
     save_interval: int | None = option(
-        None, "save every N rollouts (and always after the last one)"
+        None,
+        "save every N rollouts (and always after the last one); default with --save: every "
+        "tenth of the run or --save-interval-minutes of work, whichever comes first",
+    )
+    save_interval_minutes: float | None = option(
+        None,
+        "also save once this many minutes of work are unsaved (default 5 without "
+        "--save-interval, off with it; 0: never by the clock)",
+    )
+    no_save: bool = option(
+        False, "run without --save on purpose (no warning that a killed run starts over)"
     )
     save_keep_last: int | None = option(None, "keep only the newest K checkpoints (default: all)")
     async_save: bool = option(False, "write checkpoints in a background thread")
@@ -59,10 +73,31 @@ class CheckpointConfig:
             start_rollout_id=self.start_rollout_id,
         )
 
-    def should_save(self, rollout_id: int, num_rollout: int) -> bool:
-        if not self.save:
-            return False
-        last = rollout_id == num_rollout - 1
-        return last or (
-            self.save_interval is not None and (rollout_id + 1) % self.save_interval == 0
+    def validate(self) -> None:
+        if self.save == "":
+            raise UserError("--save is empty: give a directory, or --no-save to save nothing")
+        if self.save and self.no_save:
+            raise UserError("--save and --no-save contradict each other: give one")
+        if self.save_interval_minutes is not None and not (
+            math.isfinite(self.save_interval_minutes) and self.save_interval_minutes >= 0
+        ):
+            raise UserError(
+                f"--save-interval-minutes must be a number >= 0, got {self.save_interval_minutes}"
+            )
+
+    def schedule(
+        self, num_rollout: int, agree: Callable[[bool], bool] = lambda due: due
+    ) -> SaveSchedule:
+        return build_schedule(num_rollout, self.save_interval, self.save_interval_minutes, agree)
+
+    def schedule_line(self, num_rollout: int) -> str:
+        """The plan's line on saving, or the warning that nothing is saved."""
+        if self.save:
+            return self.schedule(num_rollout).describe()
+        if self.no_save:
+            return "  saves: nothing (--no-save)"
+        read = f"; --load {self.load} is only read" if self.load else ""
+        return (
+            f"  warning: no --save: this run saves nothing{read}, and a killed run starts over "
+            "(--save DIR to save, --no-save to run without saving on purpose)"
         )

@@ -6,7 +6,8 @@ the contract; each row has a test in tests/test_plan.py.
 
 | on disk / flags                                   | decision                                                  |
 |---------------------------------------------------|-----------------------------------------------------------|
-| --load unset, missing, or without a tracker       | fresh from the mode's source; start at --start-rollout-id or 0 |
+| --load unset, missing, or without checkpoints     | fresh from the mode's source; start at --start-rollout-id or 0 |
+| --load without a tracker, holding complete iter_N | resume from the newest complete one (restore verifies it), said in the plan |
 | tracker N and iter_N complete                     | resume from iter_N: weights, optimizer, RNG, data; start N+1 |
 | tracker "release"                                 | fresh from release/ weights; start 0; no optimizer/RNG/data |
 | --ckpt-step K                                     | iter_K exactly (K=0 too); error if absent or incomplete   |
@@ -18,6 +19,9 @@ the contract; each row has a test in tests/test_plan.py.
 | start > num_rollout                               | error explaining the numbers                              |
 | checkpoint model config != --hf-checkpoint config | error naming the differing fields                         |
 | --save holds committed checkpoints (a tracker) this start won't continue | error: suggest --load SAVE or a new --save |
+| --save holds complete iter_N without a tracker, not continued | error: the same (never overwrite a complete checkpoint) |
+| resume from iter_K older than complete iter_N in --save | resume; the plan says this run writes over iter_N |
+| resume with other trajectory settings (--seed, ...) | resume; the plan names each changed setting |
 | mode bridge + native source / mode raw + HF source | error naming the mode that fits                          |
 | resume saved at another world size (torchrun N)   | resume (DCP reshards); the plan says what stays exact     |
 | resume saved in another precision (fp32/bf16)     | resume; the plan says what stays exact                    |
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from mileage.checkpoint.critic_plan import plan_critic
 from mileage.checkpoint.layout import (
@@ -68,6 +72,9 @@ class StartFlags:
     critic_load: str | None = None
     precision: str = "fp32"  # the resolved compute precision (mileage.precision)
     precision_note: str = ""  # why: auto's evidence, or "as asked"
+    # (flag, value) of the settings that decide the trajectory (recorded in meta.json): a
+    # resume that changes one goes ahead, and the plan says the run leaves the saved one's path
+    settings: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -240,6 +247,22 @@ def _precision_change(info: CheckpointInfo | None, precision: str) -> list[str]:
     ]
 
 
+def _settings_change(info: CheckpointInfo | None, settings: tuple) -> list[str]:
+    saved = (info.meta if info is not None else {}).get("settings", {})
+    changed = [
+        f"{flag} {saved[flag]} -> {value}"
+        for flag, value in settings
+        if flag in saved and saved[flag] != value
+    ]
+    if not changed:
+        return []
+    return [
+        f"settings changed since the checkpoint: {'; '.join(changed)}. Weights, optimizer state "
+        "and data position continue; the rollouts after it follow the new settings, not the "
+        "saved run's"
+    ]
+
+
 def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
     """Decide how this run starts. Raises UserError for every state it refuses."""
     reasons: list[str] = []
@@ -252,13 +275,33 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
             f"pass it as --hf-checkpoint (bridge mode)"
         )
 
+    # torchtitan's latest-complete discovery: the tracker moves after a checkpoint is
+    # committed, so it is missing when deleted or when a kill came between the two; a fresh
+    # start would then write over complete checkpoints
+    discovered = (
+        load.complete_ids[-1]
+        if load is not None
+        and load.exists
+        and not load.tracker.exists
+        and flags.ckpt_step is None
+        and load.complete_ids
+        else None
+    )
     has_checkpoint = (
         load is not None and load.exists and (load.tracker.exists or flags.ckpt_step is not None)
-    )
+    ) or discovered is not None
     if has_checkpoint:
         if flags.ckpt_step is None and load.tracker.exists and not load.tracker.valid:
             bad_tracker(load)
-        source = native_source(load, flags.ckpt_step, "--ckpt-step")
+        step = flags.ckpt_step if discovered is None else discovered
+        source = native_source(load, step, "--ckpt-step")
+        if discovered is not None:
+            source = replace(
+                source,
+                reason=f"{load.path} has no {TRACKER}: resuming from its newest complete "
+                f"checkpoint iter_{discovered:07d} (complete: {list_complete(load)}; "
+                f"--ckpt-step K picks another)",
+            )
         reasons.append(source.reason)
         resumable = source.iteration is not None and not flags.finetune
         if source.iteration is None:
@@ -290,6 +333,7 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
             reasons.append("--no-load-rng: global RNG states not restored")
         reasons += _world_size_change(source.info, flags.world_size)
         reasons += _precision_change(source.info, flags.precision)
+        reasons += _settings_change(source.info, flags.settings)
     else:
         action, natural_start = FRESH, 0
         load_optim = load_rng = load_data = False
@@ -312,9 +356,11 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
             f"this run would start at rollout {start} but --num-rollout is {flags.num_rollout}: nothing "
             f"would train. Raise --num-rollout (or --num-epoch) above {start - 1} to continue"
         )
-    elif disk.save is not None and disk.save.tracker.exists and not disk.save.tracker.release:
-        # only a tracker commits iterations; iter dirs without one are the uncommitted leftovers
-        # of an interrupted first save (which this run supersedes), and a release is weights only
+    elif disk.save is not None and (
+        (disk.save.tracker.exists and not disk.save.tracker.release) or disk.save.complete_ids
+    ):
+        # complete checkpoints, tracked or not (a release is weights only): a start that does
+        # not continue them would write over them
         continues_save = action == RESUME and os.path.realpath(source.path).startswith(
             os.path.realpath(disk.save.path) + os.sep
         )
@@ -323,6 +369,12 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
                 f"--save {disk.save.path} already holds checkpoints ({list_complete(disk.save)} complete) "
                 f"that this start would not continue; pass --load {disk.save.path} to resume them, or "
                 f"choose a new --save"
+            )
+        newer = [i for i in disk.save.complete_ids if i >= start]
+        if newer:
+            reasons.append(
+                f"warning: {disk.save.path} holds newer checkpoints ({', '.join(map(str, newer))}) "
+                f"than the one resumed: this run writes over each as it reaches its rollout"
             )
 
     critic_from = None

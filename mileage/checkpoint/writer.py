@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from mileage.checkpoint.schedule import SaveSchedule
 from mileage.checkpoint.store import (
     CheckpointState,
     CheckpointWriteError,
@@ -27,8 +28,11 @@ class CheckpointWriter:
         keep_last: int | None = None,
         async_save: bool = False,
         on_commit: Callable[[int, Path], None] | None = None,
+        schedule: SaveSchedule | None = None,
     ):
         self.save_dir = Path(save_dir)
+        # when saves are due; None: after the last rollout only (the loop asks `due`)
+        self.schedule = schedule
         self.keep_last = keep_last
         self.async_save = async_save
         self.on_commit = on_commit or (lambda rollout_id, path: None)
@@ -36,7 +40,14 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._last_snapshot: CheckpointState | None = None
 
+    def due(self, rollout_id: int, num_rollout: int) -> bool:
+        if self.schedule is None:
+            return rollout_id == num_rollout - 1
+        return self.schedule.due(rollout_id)
+
     def save(self, rollout_id: int, state: CheckpointState) -> None:
+        if self.schedule is not None:
+            self.schedule.saved()  # unsaved work is counted from here
         self.wait()
         if not self.async_save:
             self._commit(rollout_id, state)

@@ -88,6 +88,7 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
     for note in notes:
         progress.print(note)
     progress.print(plan.describe())
+    progress.print(cfg.checkpoint.schedule_line(plan.num_rollout))
     if cfg.engine.note():
         progress.print(cfg.engine.note())
     if env.device().type == "cuda":

@@ -56,8 +56,8 @@ class ShardedCheckpointWriter(CheckpointWriter):
     or at the end of the run.
     """
 
-    def __init__(self, save_dir, keep_last=None, async_save=False, on_commit=None):
-        super().__init__(save_dir, keep_last, async_save, on_commit)
+    def __init__(self, save_dir, keep_last=None, async_save=False, on_commit=None, schedule=None):
+        super().__init__(save_dir, keep_last, async_save, on_commit, schedule)
         self._group = None
         self._stager = None
         if async_save:
