@@ -2029,6 +2029,71 @@ MUTANTS = [
             "test_a_generate_function_blocking_its_event_loop_is_stopped_by_the_timeout",
         ),
     ),
+    Mutant(
+        "null-label-read-as-none",
+        'a JSONL label of null becomes the string "None": every reward 0, silently',
+        "mileage/rollout/prompts.py",
+        '    if value is None:\n        raise UserError(\n            f"{where}: {label_key!r} is null',
+        '    if False:\n        raise UserError(\n            f"{where}: {label_key!r} is null',
+        (
+            "tests/test_bad_input_data.py::test_a_null_jsonl_value_is_refused_naming_file_line_and_key",
+            "tests/test_bad_input_data.py::test_a_null_parquet_label_names_the_row",
+        ),
+    ),
+    Mutant(
+        "non-utf8-jsonl-traceback",
+        "a byte that is not UTF-8 in a JSONL file ends in a UnicodeDecodeError traceback",
+        "mileage/rollout/prompts.py",
+        "    except UnicodeDecodeError as exc:\n",
+        "    except KeyError as exc:\n",
+        ("tests/test_bad_input_data.py::test_a_byte_that_is_not_utf8_names_file_line_and_column",),
+    ),
+    Mutant(
+        "hf-config-types-unchecked",
+        'config.json\'s sizes are not type-checked ("hidden_size": "big", 0 layers pass on)',
+        "mileage/models/hf.py",
+        "    check_field_types(config, file)\n",
+        "",
+        ("tests/test_bad_input_data.py::test_a_config_field_of_the_wrong_type_is_one_line",),
+    ),
+    Mutant(
+        "eval-mean-reward-called-accuracy",
+        "the evaluation line calls the mean reward accuracy and hides the share solved",
+        "mileage/rollout/evaluation.py",
+        "        text = f\"reward {metrics[key]:.3f} solved {metrics[f'{key}/pass@1']:.3f}\"\n",
+        '        text = f"accuracy {metrics[key]:.3f}"\n',
+        (
+            "tests/test_output_names.py::test_a_weighted_rubric_evaluates_as_reward_1_and_half_solved",
+        ),
+    ),
+    Mutant(
+        "async-rate-charges-whole-slots",
+        "train-async's tok/s charges a group its whole slot's generation time",
+        "mileage/async_loop.py",
+        "        seconds += busy * count / slot_tokens if slot_tokens else 0.0\n",
+        "        seconds += busy\n",
+        (
+            "tests/test_output_names.py::test_async_throughput_is_tokens_over_the_generators_busy_time_not_the_wait",
+        ),
+    ),
+    Mutant(
+        "restored-line-full-digest",
+        "the restored line prints the data digest's 64 hex digits",
+        "mileage/progress.py",
+        "data['digest'][:8]",
+        "data['digest']",
+        (
+            "tests/test_output_names.py::test_the_restored_line_says_what_from_which_iteration_with_a_short_digest",
+        ),
+    ),
+    Mutant(
+        "own-model-defaults-silent",
+        "with --hf-checkpoint the plan does not say that miles' defaults (lr 1e-6) replace the demo's",
+        "mileage/run_config.py",
+        "        if self.miles_defaults:\n",
+        "        if False:\n",
+        ("tests/test_output_names.py::test_the_plan_names_the_defaults_that_apply_demo_or_miles",),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
