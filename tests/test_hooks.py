@@ -36,7 +36,7 @@ import asyncio, sys, threading
 RELEASE = threading.Event()  # set by the tests: lets a hung hook's thread end
 # a "hang" ends by itself after this long, so a timeout that never fires fails the test
 # (the hook returns) instead of hanging it (mutant hook-timeout-never-fires)
-HANG = 15
+HANG = 5
 
 
 def reward_of(value):
