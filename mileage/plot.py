@@ -11,7 +11,8 @@ from mileage.metrics import read_metrics
 PANELS = (
     (("reward_mean",), "reward (sampled)"),
     # the evaluation before training is the record of rollout -1: the curve's first point
-    (("eval_accuracy",), "held-out accuracy (greedy)"),
+    # eval_accuracy: the mean reward (also eval_reward), read under the key every run has
+    (("eval_accuracy",), "held-out mean reward (greedy)"),
     (("ppo_kl", "kl"), "policy drift and KL"),
     (("entropy",), "entropy"),
     (("lr",), "learning rate"),

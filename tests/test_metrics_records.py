@@ -160,7 +160,7 @@ def test_plot_starts_the_held_out_curve_at_the_evaluation_before_training():
     assert panel_curves(records, ("eval_accuracy",)) == {"eval_accuracy": ([-1, 1], [0.25, 0.5])}
     fig = draw_metrics(records, "test")
     panels = {ax.get_title(): ax for ax in fig.axes}
-    held_out = panels["held-out accuracy (greedy)"].lines
+    held_out = panels["held-out mean reward (greedy)"].lines
     assert [list(line.get_xdata()) for line in held_out] == [[-1, 1]]
     drift = panels["policy drift and KL"]
     assert [line.get_label() for line in drift.lines] == [
