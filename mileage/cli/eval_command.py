@@ -1,7 +1,8 @@
 """`mileage eval --load RUN` (or `--hf-checkpoint DIR`): evaluate a checkpoint without training.
 
 It takes `train`'s flags, so the evaluation flags of a training command (`--eval-prompt-data`,
-`--n-samples-per-eval-prompt`, `--eval-temperature`, ...) mean the same here. The checkpoint is
+`--n-samples-per-eval-prompt`, `--eval-temperature`, ...) mean the same here; its `--help`
+lists only those evaluation reads (EVAL_SECTIONS). The checkpoint is
 the one RUN's tracker names, or `--ckpt-step K`. Nothing is written: not into RUN (no metrics
 line, no lock, no tracker points) and nowhere else; the metrics go to stdout.
 
