@@ -204,6 +204,8 @@ TOO_LARGE = [
     ),
     (["--num-threads", 100000], "--num-threads 100000 is more than 4 threads per CPU", "CPU"),
     (["--seed", 2**70], "argument --seed: 1180591620717411303424 does not fit", "64-bit"),
+    (["--hook-timeout", "1e300"], "--hook-timeout must be positive and at most", "longest wait"),
+    (["--tool-timeout", "1e300"], "--tool-timeout must be at most", "longest wait"),
 ]
 
 

@@ -17,6 +17,7 @@ repeat until the model answers without a call, a limit is reached, or a tool fai
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,11 @@ class MultiTurnConfig:
             raise UserError(f"--generate-max-turns must be positive, got {self.generate_max_turns}")
         if self.tool_timeout <= 0 or self.tool_workers <= 0:
             raise UserError("--tool-timeout and --tool-workers must be positive")
+        if self.tool_timeout > threading.TIMEOUT_MAX:  # a wait past it raises OverflowError
+            raise UserError(
+                f"--tool-timeout must be at most {threading.TIMEOUT_MAX:g} seconds (the longest "
+                f"wait Python can make), got {self.tool_timeout:g}"
+            )
         if self.rollout_max_context_len is not None and self.rollout_max_context_len <= 0:
             raise UserError("--rollout-max-context-len must be positive")
         if self.custom_generate_function_path and self.rollout_function_path:
