@@ -267,7 +267,7 @@ def staleness_stats(groups: list[Group], trained: int, stale: int) -> dict:
     }
 
 
-def train_async(run: Run, progress: RunProgress) -> list[dict]:
+def train_async(run: Run, progress: RunProgress) -> tuple[list[dict], str | None]:
     cfg, plan, acfg = run.cfg, run.plan, run.cfg.asynchronous
     size = cfg.rollout.rollout_batch_size
     if run.agent is not None and run.agent.user.rollout is not None:
@@ -345,7 +345,7 @@ def train_async(run: Run, progress: RunProgress) -> list[dict]:
     finally:
         producer.close()
     finish(run, progress, records, stop_reason)
-    return records
+    return records, stop_reason
 
 
 def check_async_run(run_cfg, world_size: int) -> None:

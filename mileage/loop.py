@@ -203,7 +203,7 @@ def start(run: Run, progress: RunProgress) -> None:
         progress.print(f"eval before training: {summary(metrics)}")
 
 
-def train(run: Run, progress: RunProgress) -> list[dict]:
+def train(run: Run, progress: RunProgress) -> tuple[list[dict], str | None]:
     cfg, plan = run.cfg, run.plan
     start(run, progress)
     records = []
@@ -254,7 +254,7 @@ def train(run: Run, progress: RunProgress) -> list[dict]:
         if run.writer is not None:
             run.writer.wait()
     finish(run, progress, records, stop_reason)
-    return records
+    return records, stop_reason
 
 
 def train_rollout(run: Run, rollout_id: int, batch) -> dict:

@@ -1,6 +1,8 @@
 """Graceful stop on SIGTERM/SIGINT and on a save-trigger sentinel file.
 
-The first signal asks the loop to finish the current rollout, save, and exit 0. A second signal
+The first signal asks the loop to finish the current rollout, save, and exit with STOPPED_EXIT
+(75, sysexits' EX_TEMPFAIL: "try again"), so that `mileage train ... && mileage export-hf ...`
+does not go on with an unfinished model and a scheduler can requeue the job. A second signal
 exits at once: checkpoints are committed atomically, so an abrupt exit can only leave a staging
 directory behind, which the next start removes.
 """
@@ -13,8 +15,13 @@ import sys
 from pathlib import Path
 
 
+# the exit code of a run stopped early by a signal, saved and resumable by the same command
+STOPPED_EXIT = 75
+
+
 class PreemptionGuard:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNAL_NAMES = frozenset(s.name for s in SIGNALS)
 
     def __init__(self, sentinel: str | None = None):
         self.sentinel = Path(sentinel) if sentinel else None

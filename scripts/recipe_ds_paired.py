@@ -12,7 +12,7 @@ Why it is built this way: the machine may be shared, so wall-clock time alone is
 2. Both arms start at the same time, each pinned to its own core with `--num-threads 1`. The
    plain arm runs `--rollouts` rollouts. Its wall time W and its CPU seconds C (of its process
    and children, from wait4) are the dynamic-sampling arm's two budgets: when the plain arm
-   ends, the other arm gets SIGTERM (mileage finishes its rollout, saves, exits 0).
+   ends, the other arm gets SIGTERM (mileage finishes its rollout, saves, exits 75).
 3. Both arms commit a checkpoint after every rollout; the script notes when each commit lands
    and the CPU seconds spent by then. The dynamic-sampling arm is judged by its last checkpoint
    committed within both budgets (the earlier one binds), so the rollout finished after

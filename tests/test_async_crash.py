@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_learned
 
+from mileage.preemption import STOPPED_EXIT
 from mileage.testing.compare import TENSOR_DIFF, compare_runs
 from mileage.testing.crash import (
     aimed_random_kills,
@@ -192,10 +193,10 @@ def test_serve_engine_kills_and_sigterm_resume_exactly(serve_args, builtin_model
     run_uninterrupted(serve_args, reference, subcommand=ASYNC)
     assert_learned(reference, builtin_model)
     save = tmp_path / "run"
-    # SIGTERM while rollout 0 trains and slot 1 generates on the server: saves, exits 0
+    # SIGTERM while rollout 0 trains and slot 1 generates on the server: saves, exits 75
     signal_env = {"MILEAGE_SIGNAL_AT": "optimizer_step:SIGTERM:1"}
     stopped = launch(serve_args, save, env=signal_env, subcommand=ASYNC)
-    assert stopped.returncode == 0, stopped.tail()
+    assert stopped.returncode == STOPPED_EXIT, stopped.tail()
     assert "stopped after rollout 0 (SIGTERM); rerun the same command" in stopped.stdout
     chain = [
         Kill.at("async_generating", 2),  # slot 2 generating on the server while rollout 1 trains

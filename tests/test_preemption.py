@@ -16,6 +16,7 @@ from conftest import REPO, fast_train_args
 from mileage.checkpoint.inspect import verify_save_dir
 from mileage.checkpoint.layout import read_tracker
 from mileage.checkpoint.lock import LOCK_FILE, SaveDirLock
+from mileage.preemption import STOPPED_EXIT
 
 
 def start_train(args: list, env_extra: dict | None = None) -> subprocess.Popen:
@@ -43,14 +44,14 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 300) -> 
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_and_exits_zero_then_the_same_command_resumes(cli, tiny_hf, tmp_path, sig):
+def test_signal_saves_and_exits_75_then_the_same_command_resumes(cli, tiny_hf, tmp_path, sig):
     save = tmp_path / "run"
     args = [*fast_train_args(tiny_hf), "--num-rollout", 1000, "--save", save, "--load", save]
     proc = start_train(args)
     wait_for_line(proc, "rollout 1 |")
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    assert proc.returncode == STOPPED_EXIT, err  # stopped early, resumable: not a success
     stopped = [line for line in out.splitlines() if line.startswith("stopped after rollout")]
     assert len(stopped) == 1 and sig.name in stopped[0], out
     last = int(stopped[0].split()[3])
@@ -149,14 +150,14 @@ def test_sigterm_stopped_run_rerun_equals_the_uninterrupted_run(crash_reference,
     wait_for_line(proc, "rollout 1 |")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    assert proc.returncode == STOPPED_EXIT, err
     stopped = [line for line in out.splitlines() if line.startswith("stopped after rollout")]
     assert len(stopped) == 1, out
     last = int(stopped[0].split()[3])
     assert read_tracker(save).iteration == last and last <= 3
     # and one that lands at a known place: while rollout `last + 1` trains
     signalled = launch(args, save, env={"MILEAGE_SIGNAL_AT": "optimizer_step:SIGTERM:1"})
-    assert signalled.returncode == 0, signalled.tail()
+    assert signalled.returncode == STOPPED_EXIT, signalled.tail()
     assert f"stopped after rollout {last + 1} (SIGTERM)" in signalled.stdout
     rerun = launch(args, save)
     assert rerun.returncode == 0, rerun.tail()

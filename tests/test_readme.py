@@ -28,6 +28,8 @@ import sys
 import pytest
 from conftest import REPO
 
+from mileage.preemption import STOPPED_EXIT
+
 README = (REPO / "README.md").read_text(encoding="utf-8")
 # the resume contract the README links to, checked against the same runs
 RESUME = (REPO / "docs" / "resume.md").read_text(encoding="utf-8")
@@ -448,10 +450,10 @@ def test_rollout_lines_have_the_fields_and_formats_of_the_readme_sample(demo):
 
 
 def test_sigterm_stops_with_the_message_the_readme_quotes(demo):
-    quoted = claim(r"exits 0 with `(stopped after rollout N \(SIGTERM\); [^`]*N\+1)`", RESUME)[1]
+    quoted = claim(r"exits 75 with `(stopped after rollout N \(SIGTERM\); [^`]*N\+1)`", RESUME)[1]
     expected = re.sub(r"\bN\b", "148", re.sub(r"\bN\+1\b", "149", quoted))
     stopped = demo["stopped"]
-    assert stopped.returncode == 0 and expected in stopped.stdout, stopped.stdout[-2000:]
+    assert stopped.returncode == STOPPED_EXIT and expected in stopped.stdout, stopped.stdout[-2000:]
     again = demo["again"]
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.search(r"^rollout 149 \|", again.stdout, re.M) and "rollout 148 |" not in again.stdout

@@ -26,7 +26,7 @@ class SaveSchedule:
     # the ranks of a torchrun job agree on the clock's answer (any rank due: all save)
     agree: Callable[[bool], bool] = lambda due: due
     automatic: bool = False  # the interval is the default's (a tenth of the run)
-    _last_save: float = field(default_factory=time.monotonic)
+    _last_save: float = field(default_factory=lambda: time.monotonic())
 
     def due(self, rollout_id: int) -> bool:
         """Whether the checkpoint after `rollout_id` is due."""

@@ -16,6 +16,7 @@ from mileage.distributed import env
 from mileage.distributed.coordination import run_progress, save_dir_lock
 from mileage.errors import UserError
 from mileage.loop import train
+from mileage.preemption import STOPPED_EXIT, PreemptionGuard
 from mileage.preflight import preflight, with_recorded_model
 from mileage.rollout.buffer import describe_saved
 from mileage.rollout.evaluation import summary
@@ -124,9 +125,9 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
                 if asynchronous:
                     from mileage.async_loop import train_async
 
-                    records = train_async(run, progress)
+                    records, stop_reason = train_async(run, progress)
                 else:
-                    records = train(run, progress)
+                    records, stop_reason = train(run, progress)
         finally:
             if run.engine is not None:
                 run.engine.close()  # stops a launched server, removes synced weights
@@ -134,4 +135,5 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
                 run.agent.close()  # ends the tool worker processes
     if records and summary(records[-1]):  # the last rollout evaluated
         progress.print(f"final eval: {summary(records[-1])}")
-    return 0
+    # every rank saw the same agreed stop, so every rank exits with the same code
+    return STOPPED_EXIT if stop_reason in PreemptionGuard.SIGNAL_NAMES else 0

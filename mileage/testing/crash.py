@@ -33,6 +33,7 @@ from pathlib import Path
 from mileage.checkpoint.layout import checkpoint_path, read_tracker
 from mileage.checkpoint.store import verify_checkpoint
 from mileage.metrics import METRICS_FILE
+from mileage.preemption import STOPPED_EXIT
 from mileage.testing.kills import (
     COMMITTED_SAVE_POINTS,
     PPO_SAVE_POINTS,
@@ -320,7 +321,7 @@ def _judge(
         outcome.resumed = True  # the run finished before the kill: nothing to resume
         return
     for run in later:
-        if not (run.died_by_kill or run.returncode == 0):
+        if not (run.died_by_kill or run.returncode in (0, STOPPED_EXIT)):
             outcome.problems.append(
                 f"a later launch ({run.kill.label if run.kill else 'plain rerun'}) exited with "
                 f"{run.returncode}{' (timed out)' if run.timed_out else ''}: {run.tail()}"
@@ -335,7 +336,7 @@ def _judge(
     outcome.resumed = (
         finished
         and outcome.resumed_at == outcome.expected_start
-        and all(r.died_by_kill or r.returncode == 0 for r in later)
+        and all(r.died_by_kill or r.returncode in (0, STOPPED_EXIT) for r in later)
     )
 
 
