@@ -14,7 +14,6 @@ import signal
 import sys
 from pathlib import Path
 
-
 # the exit code of a run stopped early by a signal, saved and resumable by the same command
 STOPPED_EXIT = 75
 
