@@ -2094,6 +2094,57 @@ MUTANTS = [
         "        if False:\n",
         ("tests/test_output_names.py::test_the_plan_names_the_defaults_that_apply_demo_or_miles",),
     ),
+    Mutant(
+        "nan-checkpoint-committed",
+        "the finiteness check before a commit is removed: a NaN checkpoint becomes the tracked one",
+        "mileage/loop.py",
+        "            check_checkpoint(snapshot)  # a NaN checkpoint never becomes the tracked one",
+        "            pass",
+        (
+            "tests/test_nonfinite.py::"
+            "test_a_nan_injected_stops_before_anything_is_committed[checkpoint before commit]",
+        ),
+    ),
+    Mutant(
+        "nan-gradient-applied",
+        "a NaN/inf loss or gradient is applied by the optimizer step",
+        "mileage/training/actor.py",
+        "        if not loss_anywhere and math.isfinite(float(norm)):",
+        "        if True:",
+        ("tests/test_nonfinite.py",),
+    ),
+    Mutant(
+        "missing-tracker-is-a-fresh-start",
+        "a save directory whose tracker was deleted starts fresh (and overwrites its checkpoints)",
+        "mileage/checkpoint/plan.py",
+        "        and flags.ckpt_step is None\n        and load.complete_ids\n",
+        "        and flags.ckpt_step is None\n        and False\n",
+        (f"{PLAN}::test_a_missing_tracker_resumes_from_the_newest_complete_checkpoint",),
+    ),
+    Mutant(
+        "untracked-checkpoints-overwritten",
+        "a fresh start writes over complete checkpoints that no tracker names",
+        "mileage/checkpoint/plan.py",
+        "(disk.save.tracker.exists and not disk.save.tracker.release) or disk.save.complete_ids",
+        "(disk.save.tracker.exists and not disk.save.tracker.release)",
+        (f"{PLAN}::test_untracked_complete_checkpoints_are_never_overwritten_by_a_fresh_start",),
+    ),
+    Mutant(
+        "saves-only-at-the-end",
+        "with --save and no --save-interval, the run saves only after its last rollout",
+        "mileage/checkpoint/schedule.py",
+        "    every = max(1, math.ceil(num_rollout / DEFAULT_SHARE))",
+        "    every = None",
+        ("tests/test_save_schedule.py",),
+    ),
+    Mutant(
+        "sigterm-exits-0",
+        "a run stopped by SIGTERM exits 0, as if it had finished",
+        "mileage/cli/train.py",
+        "    return STOPPED_EXIT if stop_reason in PreemptionGuard.SIGNAL_NAMES else 0",
+        "    return 0",
+        (f"{PREEMPT}::test_signal_saves_and_exits_75_then_the_same_command_resumes",),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
