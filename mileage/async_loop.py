@@ -294,7 +294,9 @@ def train_async(run: Run, progress: RunProgress) -> tuple[list[dict], str | None
         return saved
 
     try:
-        with preemption_guard(cfg.loop.save_trigger_sentinel) as preempt:
+        with preemption_guard(
+            cfg.loop.save_trigger_sentinel, cfg.loop.stop_grace_seconds
+        ) as preempt:
             for rollout_id in range(plan.start_rollout_id, plan.num_rollout):
                 started = time.perf_counter()
                 progress.phase(rollout_id, "generate")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 # the exit code of a run stopped early by a signal, saved and resumable by the same command
@@ -22,10 +23,13 @@ class PreemptionGuard:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
     SIGNAL_NAMES = frozenset(s.name for s in SIGNALS)
 
-    def __init__(self, sentinel: str | None = None):
+    def __init__(self, sentinel: str | None = None, grace: float = 0.0):
         self.sentinel = Path(sentinel) if sentinel else None
         self.signal_name: str | None = None
         self._previous: dict = {}
+        # --stop-grace-seconds: the first signal's wait for the rollout is bounded (0: unbounded)
+        self.grace = grace
+        self._grace_timer: threading.Timer | None = None
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -37,6 +41,10 @@ class PreemptionGuard:
             )
             os._exit(128 + signum)
         self.signal_name = name
+        if self.grace:
+            self._grace_timer = threading.Timer(self.grace, self._grace_over)
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
         print(
             f"\nmileage: {name} received; finishing this rollout, then saving and exiting "
             f"(send it again to exit at once)",
@@ -44,8 +52,27 @@ class PreemptionGuard:
             flush=True,
         )
 
+    def _grace_over(self) -> None:
+        """The rollout in flight did not reach its save in time (a hung engine, say): leave
+        without it. Commits are atomic, so the last committed checkpoint is what a rerun finds."""
+        print(
+            f"\nmileage: {self.signal_name}: the rollout did not finish within {self.grace:g} s "
+            "(--stop-grace-seconds); exiting without saving it. The last committed checkpoint is "
+            "intact: rerun the same command to resume from it",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(STOPPED_EXIT)
+
+    def reached_save(self) -> None:
+        """The loop is at the rollout's end and about to save: the grace period is over."""
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+
     @property
     def stop_requested(self) -> bool:
+        if self.signal_name is not None:
+            self.reached_save()
         return self.signal_name is not None
 
     def sentinel_present(self) -> bool:

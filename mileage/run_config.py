@@ -122,6 +122,11 @@ class LoopConfig:
     debug_exit_after_rollout: int | None = option(
         None, "stop (exit 0) after this many rollouts in this process, as if preempted"
     )
+    stop_grace_seconds: float = option(
+        900.0,
+        "after a SIGTERM/SIGINT, wait at most this long for the rollout in flight to finish and "
+        "save; past it, exit 75 without it (0: wait however long it takes)",
+    )
 
 
 SECTIONS = (
@@ -215,6 +220,7 @@ class RunConfig:
         ("optim", "lr_decay_iters"),
     )
     NON_NEGATIVE = (
+        ("loop", "stop_grace_seconds"),
         ("finite", "max_nonfinite_skips"),
         ("loop", "eval_interval"),
         ("checkpoint", "start_rollout_id"),

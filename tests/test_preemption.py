@@ -189,3 +189,26 @@ def test_second_signal_inside_a_save_leaves_a_state_that_resumes_exactly(
     assert rerun.returncode == 0, rerun.tail()
     assert "resume at rollout 1 of 6" in rerun.stdout
     assert compare_runs(reference, save) == []
+
+
+def test_the_first_signals_wait_is_bounded_by_the_grace_period():
+    """A rollout that never ends (a hung engine) does not hold a SIGTERM forever: past
+    --stop-grace-seconds the process exits 75 with one line, and a loop that reaches its save
+    in time cancels the timer."""
+    hung = (
+        "import os, signal, time\n"
+        "from mileage.preemption import PreemptionGuard\n"
+        "with PreemptionGuard(grace=0.5) as guard:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(60)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hung], capture_output=True, text=True, timeout=30, cwd=REPO
+    )
+    assert done.returncode == STOPPED_EXIT, done.stderr
+    assert "did not finish within 0.5 s (--stop-grace-seconds)" in done.stderr
+    in_time = hung.replace("time.sleep(60)", "assert guard.stop_requested\n    time.sleep(1.5)")
+    done = subprocess.run(
+        [sys.executable, "-c", in_time], capture_output=True, text=True, timeout=30, cwd=REPO
+    )
+    assert done.returncode == 0 and "did not finish" not in done.stderr, done.stderr

@@ -87,6 +87,8 @@ class AgreedPreemption:
     def stop_requested(self) -> bool:
         names = [n for n in env.all_gather_object(self.guard.signal_name) if n]
         self.signal_name = names[0] if names else None
+        if self.signal_name is not None:
+            self.guard.reached_save()
         return self.signal_name is not None
 
     def sentinel_present(self) -> bool:
@@ -104,8 +106,10 @@ class AgreedPreemption:
         self.guard.__exit__(*exc)
 
 
-def preemption_guard(sentinel: str | None) -> PreemptionGuard | AgreedPreemption:
-    guard = PreemptionGuard(sentinel)
+def preemption_guard(
+    sentinel: str | None, grace: float = 0.0
+) -> PreemptionGuard | AgreedPreemption:
+    guard = PreemptionGuard(sentinel, grace)
     return AgreedPreemption(guard) if env.is_distributed() else guard
 
 
