@@ -233,7 +233,7 @@ def dynamic_args(prompt_file: Path, *extra: object) -> list[str]:
 @pytest.fixture(scope="module")
 def dynamic_reference(builtin_model, prompt_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_ref")
-    slots = root / "slots" / "{rollout_id}.json"
+    slots = root / "slots" / "{slot}.json"  # one file per sampling round
     save = root / "run"
     run_uninterrupted(dynamic_args(prompt_file, "--save-debug-rollout-data", slots), save)
     records = rollout_records(save)
@@ -242,7 +242,7 @@ def dynamic_reference(builtin_model, prompt_file, tmp_path_factory):
 
 def slot_groups(slots: Path, slot: int) -> dict[int, list[float]]:
     """Rewards of every group sampled in one round, by prompt index."""
-    samples = json.loads(Path(str(slots).format(rollout_id=slot)).read_text())["samples"]
+    samples = json.loads(Path(str(slots).format(slot=slot)).read_text())["samples"]
     groups: dict[int, list[float]] = {}
     for s in samples:
         groups.setdefault(s["prompt"]["index"], []).append(s["reward"])

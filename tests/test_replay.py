@@ -55,3 +55,12 @@ def test_replay_with_other_prompts_is_refused(cli, tiny_hf, tmp_path):
     assert cli("train", *args, "--save-debug-rollout-data", template).returncode == 0
     bad = cli("train", *args, "--rollout-shuffle", "--load-debug-rollout-data", template)
     assert bad.returncode == 2 and "other prompts" in bad.stderr
+
+
+def test_a_debug_template_may_name_the_seed_slot():
+    """With dynamic sampling a file holds one sampling round: `{slot}` names it for what it is,
+    `{rollout_id}` is the same number (a plain rollout's slot is its id)."""
+    from mileage.rollout.rollout import debug_path
+
+    assert debug_path("d/{slot}.json", 7) == debug_path("d/{rollout_id}.json", 7)
+    assert str(debug_path("d/{slot}.json", 7)) == "d/7.json"

@@ -31,7 +31,10 @@ class RolloutConfig:
     rollout_top_p: float = option(1.0, "nucleus sampling mass")
     rollout_max_response_len: int = option(8, "max new tokens per answer")
     save_debug_rollout_data: str | None = option(
-        None, "write each rollout's samples to this path template ({rollout_id})"
+        None,
+        "write each rollout's samples to this path template ({rollout_id}); with dynamic "
+        "sampling or --partial-rollout a file holds one sampling round, all its groups, and "
+        "its placeholder is the round's seed slot: write it {slot}",
     )
     load_debug_rollout_data: str | None = option(
         None, "replay samples from this path template instead of generating (no engine is built)"
@@ -171,9 +174,16 @@ def inadmissible(versions: list[int | None], newest: int, max_staleness: int | N
     return None
 
 
+def debug_path(template: str, slot: int) -> Path:
+    """A debug-rollout file: `{rollout_id}` and `{slot}` name the same number, the seed slot
+    the samples were drawn with (the rollout itself unless dynamic sampling or partial rollout
+    spends several rounds, each a slot of its own, on one rollout)."""
+    return Path(template.format(rollout_id=slot, slot=slot))
+
+
 def save_samples(template: str, rollout_id: int, samples: list[Sample]) -> Path:
     """Write a rollout's samples as JSON (floats round-trip exactly), atomically."""
-    path = Path(template.format(rollout_id=rollout_id))
+    path = debug_path(template, rollout_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.tmp")
     records = [s.to_record() for s in samples]
@@ -186,7 +196,7 @@ def load_samples(
     template: str, rollout_id: int, prompts: list[Prompt], n_samples: int
 ) -> list[Sample]:
     """Samples saved by `save_samples`, checked against the prompts the data source drew now."""
-    path = Path(template.format(rollout_id=rollout_id))
+    path = debug_path(template, rollout_id)
     if not path.is_file():
         raise UserError(f"--load-debug-rollout-data: {path} does not exist (rollout {rollout_id})")
     try:
