@@ -25,6 +25,8 @@ from mileage.cli import train as train_cli  # noqa: E402
 from mileage.cli.main import main  # noqa: E402
 from mileage.distributed import setup  # noqa: E402
 from mileage.distributed.checkpoint import ShardedCheckpointWriter  # noqa: E402
+from mileage.sources import on_policy  # noqa: E402
+from mileage.sources.on_policy import OnPolicySource  # noqa: E402
 from mileage.training.actor import Actor  # noqa: E402
 
 spans: dict[str, list[float]] = {"save_s": [], "restore_s": []}
@@ -69,9 +71,10 @@ loop.restore = timed(loop.restore, "restore_s")
 setup.shard_run_models = phase(setup.shard_run_models, "load+shard")
 components._load = phase(components._load, "load")
 train_cli.build_run = phase(train_cli.build_run, "build")
-loop.draw_rollout = phase(loop.draw_rollout, "generate")
+OnPolicySource.draw = phase(OnPolicySource.draw, "generate")
 Actor.train_rollout = phase(Actor.train_rollout, "train")
-loop.sync_engine = phase(loop.sync_engine, "sync")
+loop.sync_engine = phase(loop.sync_engine, "sync")  # the start's
+on_policy.sync_engine = phase(on_policy.sync_engine, "sync")  # each rollout's
 
 out = Path(sys.argv[1])
 code = main(sys.argv[2:])

@@ -52,7 +52,7 @@ from mileage.precision import set_precision
 from mileage.preflight import Preflight
 from mileage.progress import restored_line
 from mileage.rollout.agent import DEFAULT_CONTEXT, Agent
-from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
+from mileage.rollout.buffer import RolloutBuffer
 from mileage.rollout.builtin_model import (
     ensure_builtin_model,
 )
@@ -374,9 +374,6 @@ def restore(run: Run, log) -> None:
         restore_rng_state(rng_of_this_rank(load_rng_tensors(plan.weights_from)), trainer["rng"])
     if plan.load_data_state:
         run.data.load_state_dict(trainer["data"])
-        # the buffered groups belong to the data position: the prompts they hold were drawn
-        if run.buffer is not None and trainer.get(STATE_KEY):
-            run.buffer.load_state_dict(trainer[STATE_KEY])
     data = trainer["data"] if plan.load_data_state else None
     log(restored_line(plan.weights_from, plan.iteration, run.actor.step, data))
 
@@ -384,8 +381,6 @@ def restore(run: Run, log) -> None:
 def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
     rng_tensors, rng_plain = capture_rng_state()
     trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain}
-    if run.buffer is not None:  # only then: runs without dynamic sampling stay byte-identical
-        trainer[STATE_KEY] = run.buffer.state_dict()
     if run.wandb_run_id:  # only then: runs without W&B keep byte-identical trainer states
         trainer["tracking"] = {"wandb_run_id": run.wandb_run_id}
     critic = None

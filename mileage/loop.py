@@ -1,9 +1,12 @@
-"""The driver loop: the algorithm of a run, top to bottom.
+"""The driver: the algorithm of a run, top to bottom, for `mileage train` and `train-async`.
 
 for each rollout_id in [start_rollout_id, num_rollout):
-    take the next prompts, sample n answers each with the current policy, score them,
+    draw the rollout's scored samples from the source (on-policy: sampled now with the
+    current policy; ahead: generated earlier, in a background thread, by scheduled weights),
+    shape the rewards, pack the batch, let the source correct it for the weights that made it,
     turn rewards into advantages and train the policy on them,
-    log, save on schedule, hand the new weights to the generator, evaluate on schedule.
+    hand the new weights to the generator as the source schedules it,
+    evaluate on schedule, log, save on schedule (the source's own state in the same commit).
 A SIGTERM/SIGINT or the sentinel file makes the current rollout the last one saved.
 """
 
@@ -14,22 +17,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from mileage.checkpoint.plan import RESUME
+from mileage.checkpoint.store import CheckpointState
 from mileage.components import Run, checkpoint_state, restore
 from mileage.distributed import env
 from mileage.distributed.coordination import preemption_guard
+from mileage.distributed.remote import where_driven
 from mileage.errors import UserError
 from mileage.faults import fault_point, poison_point
 from mileage.metrics import EVAL_BEFORE_TRAINING
 from mileage.progress import RunProgress
 from mileage.rollout.agent import tool_metrics
-from mileage.rollout.dynamic import sample_dynamic
 from mileage.rollout.evaluation import evaluate, rollout_passrate, summary
-from mileage.rollout.partial import RoundGenerator, offpolicy_tokens, sample_partial
-from mileage.rollout.rollout import generate_samples, load_samples, save_samples
 from mileage.rollout.shaping import shape_rewards
-from mileage.training.batch import mask_offpolicy, mask_truncated, pack_samples
+from mileage.sources import Drawn, RolloutSource, sync_engine
+from mileage.training.batch import TrainBatch, mask_truncated, pack_samples
 from mileage.training.finite import NonFiniteError, check_checkpoint
-from mileage.training.mismatch import apply_mismatch
 
 
 def can_eval(run: Run) -> bool:
@@ -40,17 +42,21 @@ def can_eval(run: Run) -> bool:
 def run_eval(run: Run, rollout_id: int) -> dict[str, float]:
     """The eval/NAME/... metrics (and eval_accuracy) of the weights after `rollout_id`."""
     cfg = run.cfg
-    return evaluate(
+    # under torchrun with servers: on rank 0 (tools and rewards once), the metrics shared
+    return where_driven(
         run.engine,
-        run.encode,
-        run.eval_sets,
-        cfg.eval,
-        cfg.rollout,
-        run.reward_fn,
-        cfg.loop.seed,
-        rollout_id,
-        run.agent.score if run.agent is not None else None,
-        run.agent,
+        lambda engine: evaluate(
+            engine,
+            run.encode,
+            run.eval_sets,
+            cfg.eval,
+            cfg.rollout,
+            run.reward_fn,
+            cfg.loop.seed,
+            rollout_id,
+            run.agent.score if run.agent is not None else None,
+            run.agent,
+        ),
     )
 
 
@@ -65,122 +71,6 @@ def evaluate_if_due(run: Run, progress: RunProgress, record: dict) -> None:
     if eval_due(run, record["rollout_id"]):
         progress.phase(record["rollout_id"], "eval")
         record |= run_eval(run, record["rollout_id"])
-
-
-def rollout_samples(run: Run, rollout_id: int, prompts) -> list:
-    rc = run.cfg.rollout
-    if rc.load_debug_rollout_data:
-        return load_samples(
-            rc.load_debug_rollout_data, rollout_id, prompts, rc.n_samples_per_prompt
-        )
-    samples = generate(run, rollout_id, prompts)
-    if rc.save_debug_rollout_data and env.is_main():
-        save_samples(rc.save_debug_rollout_data, rollout_id, samples)
-    return samples
-
-
-def generate(run: Run, rollout_id: int, prompts) -> list:
-    """The scored groups of `prompts`, sampled with the seed of `rollout_id`."""
-    return generate_samples(
-        run.engine,
-        run.encode,
-        prompts,
-        run.sampling,
-        run.cfg.rollout.n_samples_per_prompt,
-        run.reward_fn,
-        run.cfg.loop.seed,
-        rollout_id,
-        run.agent,
-    )
-
-
-def user_rollout(run: Run, rollout_id: int) -> list:
-    """--rollout-function-path: the user's function draws from the data source and returns the
-    rollout's samples (replayed from --load-debug-rollout-data like any other)."""
-    rc = run.cfg.rollout
-    if rc.load_debug_rollout_data:
-        return rollout_samples(run, rollout_id, run.data.next_batch(rc.rollout_batch_size))
-    samples = run.agent.run_rollout(
-        run.engine,
-        rollout_id,
-        run.data,
-        lambda prompts: generate(run, rollout_id, prompts),
-    )
-    if rc.save_debug_rollout_data and env.is_main():
-        save_samples(rc.save_debug_rollout_data, rollout_id, samples)
-    return samples
-
-
-def draw_rollout(run: Run, rollout_id: int) -> tuple[list, list, dict]:
-    """The rollout's prompts, their samples, and (with dynamic sampling) how they were found:
-    plain training draws one batch; dynamic sampling takes buffered groups, then samples rounds
-    until the filter has kept a batch (`mileage.rollout.dynamic`)."""
-    rc = run.cfg.rollout
-    if run.agent is not None and run.agent.user.rollout is not None:
-        fault_point("rollout_start")
-        samples = user_rollout(run, rollout_id)
-        return [s.prompt for s in samples[:: rc.n_samples_per_prompt]], samples, {}
-    if run.buffer is None:
-        prompts = run.data.next_batch(rc.rollout_batch_size)
-        fault_point("rollout_start")
-        return prompts, rollout_samples(run, rollout_id, prompts), {}
-    fault_point("rollout_start")
-    if run.cfg.dynamic.partial_rollout:
-        sampled = partial_rollout(run, rollout_id)
-    else:
-        sampled = sample_dynamic(
-            run.buffer,
-            run.data.next_batch,
-            lambda prompts, slot: rollout_samples(run, slot, prompts),  # seeded by the round's slot
-            run.group_filter,
-            run.cfg,
-            run.buffer_filter,
-            run.cfg.dynamic,
-            rc.rollout_batch_size,
-            rc.n_samples_per_prompt,
-            rollout_id,
-        )
-    samples = [s for g in sampled.groups for s in g.samples]
-    return [g.prompt for g in sampled.groups], samples, sampled.stats
-
-
-def partial_rollout(run: Run, rollout_id: int):
-    """One rollout of --partial-rollout: rounds of a token budget per sample, seeded by slot."""
-    rc, dynamic = run.cfg.rollout, run.cfg.dynamic
-    generator = RoundGenerator(
-        run.engine,
-        run.encode,
-        run.sampling,
-        dynamic.round_tokens(rc.rollout_max_response_len),
-        rc.n_samples_per_prompt,
-        run.reward_fn,
-        run.cfg.loop.seed,
-    )
-
-    def advance(carried, prompts, slot):
-        groups = generator(carried, prompts, slot, rollout_id)
-        if rc.save_debug_rollout_data and env.is_main():  # the round's samples as they stand
-            save_samples(rc.save_debug_rollout_data, slot, [s for g in groups for s in g.samples])
-        return groups
-
-    return sample_partial(
-        run.buffer,
-        run.data.next_batch,
-        advance,
-        run.group_filter,
-        run.cfg,
-        run.buffer_filter,
-        dynamic,
-        rc.rollout_batch_size,
-        rc.rollout_max_response_len,
-        rollout_id,
-    )
-
-
-def sync_engine(run: Run) -> None:
-    """Hand the trainer's weights to the engine; their version is the optimizer step."""
-    if run.engine is not None:
-        run.engine.update_weights(run.model, run.actor.step)
 
 
 def prune_tool_journal(run: Run) -> None:
@@ -203,58 +93,70 @@ def start(run: Run, progress: RunProgress) -> None:
         progress.print(f"eval before training: {summary(metrics)}")
 
 
-def train(run: Run, progress: RunProgress) -> tuple[list[dict], str | None]:
+def train(run: Run, progress: RunProgress, source: RolloutSource) -> tuple[list[dict], str | None]:
     cfg, plan = run.cfg, run.plan
     start(run, progress)
+    source.start()
     records = []
 
+    def state(run: Run, rollout_id: int) -> CheckpointState:
+        """What a save commits: the run's parts, and the source's own state with them."""
+        return source.checkpoint(checkpoint_state(run, rollout_id))
+
     stop_reason = None
-    # under torchrun, the stop and sentinel answers below are agreed by all ranks
-    with preemption_guard(cfg.loop.save_trigger_sentinel, cfg.loop.stop_grace_seconds) as preempt:
-        for rollout_id in range(plan.start_rollout_id, plan.num_rollout):
-            started = time.perf_counter()
-            progress.phase(rollout_id, "generate")
-            prompts, samples, sampling = draw_rollout(run, rollout_id)
-            generated = time.perf_counter()
-            fault_point("after_generate")
+    try:
+        # under torchrun, the stop and sentinel answers below are agreed by all ranks
+        with preemption_guard(
+            cfg.loop.save_trigger_sentinel, cfg.loop.stop_grace_seconds
+        ) as preempt:
+            for rollout_id in range(plan.start_rollout_id, plan.num_rollout):
+                started = time.perf_counter()
+                progress.phase(rollout_id, "generate")
+                drawn = source.draw(rollout_id)
+                generated = time.perf_counter()
+                fault_point("after_generate")
 
-            progress.phase(rollout_id, "train")
-            # the overlong penalty shapes the trained reward only: the filter, accuracy and
-            # reward_mean see the task's own reward
-            shaped = shape_rewards(samples, cfg.shaping, cfg.rollout.rollout_max_response_len)
-            batch = pack_samples(shaped, run.tokenizer.pad_token_id).to(run.device)
-            if cfg.shaping.overlong_buffer_len:
-                sampling["overlong_reward_mean"] = float(batch.rewards.mean())
-            if cfg.shaping.mask_truncated_completions:
-                sampling["truncated_masked"] = mask_truncated(batch, samples)
-            if cfg.dynamic.partial_rollout:  # tokens of older weights: continued partial answers
-                version = run.actor.step
-                sampling["partial_rollout/offpolicy_tokens"] = offpolicy_tokens(samples, version)
-                if cfg.dynamic.mask_offpolicy_in_partial_rollout:
-                    sampling["partial_rollout/offpolicy_masked"] = mask_offpolicy(
-                        batch, samples, version
-                    )
-            mismatch = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
-            stats = {**train_rollout(run, rollout_id, batch), **mismatch, **sampling}
-            run.actor.release_gradients()
-            trained = time.perf_counter()
-            sync_engine(run)
-            synced = time.perf_counter()
-            fault_point("after_train")
+                progress.phase(rollout_id, "train")
+                batch, sampling = prepare_batch(run, drawn)
+                correction = source.correct(batch, drawn, rollout_id)
+                stats = {**train_rollout(run, rollout_id, batch), **correction, **sampling}
+                run.actor.release_gradients()
+                trained = time.perf_counter()
+                engine_current, extra = source.after_train(rollout_id, drawn)
+                synced = time.perf_counter()
+                fault_point("after_train")
 
-            record = rollout_record(
-                rollout_id, prompts, samples, stats, (started, generated, trained, synced)
-            )
-            if cfg.eval.log_passrate:
-                record |= rollout_passrate(samples, cfg.rollout.n_samples_per_prompt)
-            evaluate_if_due(run, progress, record)
-            stop_reason = log_and_save(run, progress, preempt, record, records, checkpoint_state)
-            if stop_reason:
-                break
-        if run.writer is not None:
-            run.writer.wait()
+                times = (started, generated, trained, synced)
+                record = rollout_record(rollout_id, drawn.prompts, drawn.samples, stats, times)
+                record.update(extra)
+                if cfg.eval.log_passrate:
+                    record |= rollout_passrate(drawn.samples, cfg.rollout.n_samples_per_prompt)
+                if engine_current:  # evaluation generates with the engine
+                    evaluate_if_due(run, progress, record)
+                stop_reason = log_and_save(run, progress, preempt, record, records, state)
+                if stop_reason:
+                    break
+            if run.writer is not None:
+                run.writer.wait()
+    finally:
+        source.close()
     finish(run, progress, records, stop_reason)
     return records, stop_reason
+
+
+def prepare_batch(run: Run, drawn: Drawn) -> tuple[TrainBatch, dict]:
+    """The trained batch of the drawn samples, and what shaping did to it. The overlong
+    penalty shapes the trained reward only: the filter, accuracy and reward_mean see the
+    task's own reward."""
+    cfg = run.cfg
+    sampling = dict(drawn.stats)
+    shaped = shape_rewards(drawn.samples, cfg.shaping, cfg.rollout.rollout_max_response_len)
+    batch = pack_samples(shaped, run.tokenizer.pad_token_id).to(run.device)
+    if cfg.shaping.overlong_buffer_len:
+        sampling["overlong_reward_mean"] = float(batch.rewards.mean())
+    if cfg.shaping.mask_truncated_completions:
+        sampling["truncated_masked"] = mask_truncated(batch, drawn.samples)
+    return batch, sampling
 
 
 def train_rollout(run: Run, rollout_id: int, batch) -> dict:

@@ -309,12 +309,19 @@ class RunConfig:
                 "--rollout-function-path replaces the rollout that dynamic sampling draws; give "
                 "it or --dynamic-sampling-filter-path"
             )
-        if env.world_size() > 1 and (
-            self.multiturn.multi_turn or self.multiturn.rollout_function_path
+        if (
+            env.world_size() > 1
+            and (self.multiturn.multi_turn or self.multiturn.rollout_function_path)
+            and not self.engine.remote
         ):
+            # rank 0 runs such rollouts against the servers and shares the samples
+            # (`distributed.remote.where_driven`); the in-process engine has no rank 0 to
+            # drive it: every rank decodes its share with the policy's shards at once
             raise UserError(
                 "multi-turn rollouts (--custom-generate-function-path, --rollout-function-path, "
-                "tools) are not supported under torchrun yet"
+                "tools) under torchrun generate on remote engines (--rollout-engine sglang or "
+                "vllm with --rollout-url, e.g. `mileage serve`): the in-process engine decodes "
+                "with the policy's shards on every rank at once, so each rank would run the tools"
             )
         self.mismatch.validate()
         self.lora.validate()

@@ -148,6 +148,8 @@ class Mutant:
     tests: tuple[str, ...]
 
 
+COMPOSE = "tests/test_compose.py"
+
 MUTANTS = [
     Mutant(
         "resume-start-skips-a-rollout",
@@ -276,8 +278,8 @@ MUTANTS = [
         "async-save-overlaps",
         "a background save starts before the previous one finished, reusing its buffers",
         "mileage/checkpoint/writer.py",
-        "    def save(self, rollout_id: int, state: CheckpointState) -> None:\n        self.wait()\n",
-        "    def save(self, rollout_id: int, state: CheckpointState) -> None:\n",
+        "            self.schedule.saved()  # unsaved work is counted from here\n        self.wait()\n",
+        "            self.schedule.saved()  # unsaved work is counted from here\n",
         (
             "tests/test_checkpoint_tools.py::"
             "test_a_background_save_finishes_before_the_next_one_reuses_its_buffers",
@@ -295,8 +297,8 @@ MUTANTS = [
         "response-len-unchecked",
         "--rollout-max-response-len is dropped from the positive flags",
         "mileage/run_config.py",
-        '        ("rollout", "rollout_max_response_len"),\n',
-        "",
+        '        ("rollout", "n_samples_per_prompt"),\n        ("rollout", "rollout_max_response_len"),\n        ("loop", "num_threads"),\n',
+        '        ("rollout", "n_samples_per_prompt"),\n        ("loop", "num_threads"),\n',
         (ERRORS,),
     ),
     Mutant(
@@ -435,9 +437,9 @@ MUTANTS = [
     Mutant(
         "engine-not-synced-after-training",
         "the servers never get the weights of a training step (they keep the start's)",
-        "mileage/loop.py",
-        "            trained = time.perf_counter()\n            sync_engine(run)\n",
-        "            trained = time.perf_counter()\n",
+        "mileage/sources/on_policy.py",
+        "    def after_train(self, rollout_id: int, drawn: Drawn) -> tuple[bool, dict]:\n        sync_engine(self.run)\n",
+        "    def after_train(self, rollout_id: int, drawn: Drawn) -> tuple[bool, dict]:\n",
         (
             f"{ENGINES}::test_two_rollouts_on_two_servers_learn_and_the_servers_follow_the_weights",
             f"{VLLM}::test_launched_server_trains_with_weight_sync_and_is_stopped",
@@ -802,8 +804,8 @@ MUTANTS = [
         "sizes-kv-cache-unchecked",
         "a generation batch's KV cache is not checked against the device's memory",
         "mileage/rollout/sizes.py",
-        "    if need <= have:\n        return None\n",
-        "    return None\n",
+        "dtype_bytes), memory_bytes(device)\n    if need <= have:\n        return None\n",
+        "dtype_bytes), memory_bytes(device)\n    return None\n",
         (
             f"{SIZES}::test_kv_cache_that_cannot_fit_is_refused",
             f"{SIZES}::test_serve_refuses_a_kv_cache_that_cannot_fit",
@@ -1060,17 +1062,43 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "journal-of-resumed-rollout-pruned",
+        "a resume drops the tool journal of the rollouts it generates again (a tool with outside "
+        "state then answers them differently)",
+        "mileage/loop.py",
+        "        run.agent.journal.prune(run.plan.start_rollout_id if run.plan.action == RESUME else 1 << 62)\n",
+        "        run.agent.journal.prune(1 << 62)\n",
+        (f"{COMPOSE}::test_a_random_tool_s_answers_are_replayed_from_the_journal_after_a_kill",),
+    ),
+    Mutant(
+        "async-filter-skipped",
+        "train-async keeps every group, ignoring --dynamic-sampling-filter-path",
+        "mileage/sources/ahead.py",
+        "            if kept:\n                self.buffer.put(slot, policy, group, n)\n",
+        "            if True:\n                self.buffer.put(slot, policy, group, n)\n",
+        (f"{COMPOSE}::test_async_dynamic_sampling_shaping_tools_and_lora_resume_exactly",),
+    ),
+    Mutant(
+        "async-shaping-skipped",
+        "the overlong penalty is applied by the on-policy source only, not to samples generated ahead",
+        "mileage/loop.py",
+        "    shaped = shape_rewards(drawn.samples, cfg.shaping, cfg.rollout.rollout_max_response_len)\n",
+        "    shaped = drawn.samples\n",
+        (f"{COMPOSE}::test_async_dynamic_sampling_shaping_tools_and_lora_resume_exactly",
+         "tests/test_shaping.py"),
+    ),
+    Mutant(
         "async-buffer-not-saved",
         "train-async commits checkpoints without the rollout buffer (the pre-generated slot is lost)",
-        "mileage/async_loop.py",
-        "        saved.trainer[STATE_KEY] = buffer.state_dict()\n",
+        "mileage/sources/ahead.py",
+        "        state.trainer[STATE_KEY] = buffer.state_dict()\n",
         "",
         (ASYNC_RESUME,),
     ),
     Mutant(
         "async-buffer-not-restored",
         "a resumed train-async run starts with an empty rollout buffer",
-        "mileage/async_loop.py",
+        "mileage/sources/ahead.py",
         "        if state:\n            buffer.load_state_dict(state)\n",
         "        pass\n",
         (ASYNC_RESUME,),
@@ -1078,7 +1106,7 @@ MUTANTS = [
     Mutant(
         "async-completion-order",
         "slots are collected newest first instead of in submission order",
-        "mileage/async_loop.py",
+        "mileage/sources/ahead.py",
         "        slot, policy, future = self.pending.popleft()\n",
         "        slot, policy, future = self.pending.pop()\n",
         (ASYNC_ORDER,),
@@ -1094,7 +1122,7 @@ MUTANTS = [
     Mutant(
         "async-clip-against-behaviour",
         "the decoupled loss keeps the engine's (behaviour) log-probs as the PPO old policy",
-        "mileage/async_loop.py",
+        "mileage/sources/ahead.py",
         "    batch.old_logprobs, batch.tis_weights = proximal, weights\n",
         "    batch.tis_weights = weights\n",
         ("tests/test_async.py",),
@@ -1110,8 +1138,8 @@ MUTANTS = [
     Mutant(
         "keep-old-actor-not-saved",
         "--keep-old-actor checkpoints leave out the kept weights the buffered groups came from",
-        "mileage/async_loop.py",
-        "            saved.old_actor = old_actor.state_tensors(g.policy_rollouts for g in buffer.groups)\n",
+        "mileage/sources/ahead.py",
+        "            state.old_actor = self.old_actor.state_tensors(g.policy_rollouts for g in buffer.groups)\n",
         "            pass\n",
         (KEEP_CRASH,),
     ),
@@ -1126,17 +1154,17 @@ MUTANTS = [
     Mutant(
         "keep-old-actor-kept-one-version-late",
         "the weights synced after rollout N are kept under version N (overwriting the generating ones)",
-        "mileage/async_loop.py",
-        "                    hand_weights(run, old_actor, rollout_id + 1)\n",
-        "                    hand_weights(run, old_actor, rollout_id)\n",
+        "mileage/sources/ahead.py",
+        "            hand_weights(run, self.old_actor, rollout_id + 1)\n",
+        "            hand_weights(run, self.old_actor, rollout_id)\n",
         (KEEP_CRASH,),
     ),
     Mutant(
         "keep-old-actor-pruned-too-early",
         "kept versions are pruned down to the engine's, dropping those buffered groups still need",
-        "mileage/async_loop.py",
-        "                    old_actor.prune(versions_needed(producer, engine_policy))\n",
-        "                    old_actor.prune({engine_policy})\n",
+        "mileage/sources/ahead.py",
+        "            self.old_actor.prune(versions_needed(producer, self.engine_policy))\n",
+        "            self.old_actor.prune({self.engine_policy})\n",
         (KEEP_CRASH,),
     ),
     Mutant(
@@ -1389,17 +1417,17 @@ MUTANTS = [
     Mutant(
         "dynamic-leftover-not-saved",
         "checkpoints of dynamic sampling leave out the buffer of leftover kept groups",
-        "mileage/components.py",
-        "        trainer[STATE_KEY] = run.buffer.state_dict()\n",
-        "        pass\n",
+        "mileage/sources/on_policy.py",
+        "            state.trainer[STATE_KEY] = self.run.buffer.state_dict()\n",
+        "            pass\n",
         (DYNAMIC_CRASH, PARTIAL_CRASH),
     ),
     Mutant(
         "dynamic-leftover-not-restored",
         "a resumed dynamic-sampling run starts with an empty buffer (its leftover groups are lost)",
-        "mileage/components.py",
-        "            run.buffer.load_state_dict(trainer[STATE_KEY])\n",
-        "            pass\n",
+        "mileage/sources/on_policy.py",
+        "                self.run.buffer.load_state_dict(state)\n",
+        "                pass\n",
         (DYNAMIC_CRASH, PARTIAL_CRASH),
     ),
     Mutant(
@@ -2069,7 +2097,7 @@ MUTANTS = [
     Mutant(
         "async-rate-charges-whole-slots",
         "train-async's tok/s charges a group its whole slot's generation time",
-        "mileage/async_loop.py",
+        "mileage/sources/ahead.py",
         "        seconds += busy * count / slot_tokens if slot_tokens else 0.0\n",
         "        seconds += busy\n",
         (

@@ -44,6 +44,16 @@ def tool_nondet(name: str, arguments: dict) -> str:
     return out + "abcdefghijklmnopqrstuvwxyz"[os.urandom(1)[0] % 26]
 
 
+def tool_counted(name: str, arguments: dict) -> str:
+    """Reversed digits, never failing, each call appended to $MILEAGE_TEST_TOOL_LOG if set (to
+    count how many times a tool really ran, e.g. once and not once per rank)."""
+    log = os.environ.get("MILEAGE_TEST_TOOL_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{arguments['x']}\n")
+    return arguments["x"][::-1]
+
+
 async def tool_async(name: str, arguments: dict) -> str:
     return tool(name, arguments)
 

@@ -154,8 +154,8 @@ def test_the_driver_clips_against_the_proximal_policy_and_weights_by_proximal_ov
 ):
     from types import SimpleNamespace
 
-    from mileage.async_loop import correct_off_policy
     from mileage.models.hf import load_causal_lm
+    from mileage.sources.ahead import correct_off_policy
     from mileage.training.algo import AlgoConfig
     from mileage.training.batch import pack_samples
     from mileage.training.mismatch import MismatchConfig
@@ -210,9 +210,9 @@ def test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it(t
     import copy
     from types import SimpleNamespace
 
-    from mileage.async_loop import correct_off_policy
     from mileage.models.hf import load_causal_lm
     from mileage.rollout.buffer import Group
+    from mileage.sources.ahead import correct_off_policy
     from mileage.training.algo import AlgoConfig
     from mileage.training.batch import pack_samples
     from mileage.training.mismatch import MismatchConfig

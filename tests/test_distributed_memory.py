@@ -60,6 +60,7 @@ import gc, json, sys
 import torch
 from torch.distributed.tensor import DTensor
 from mileage import loop
+from mileage.sources import on_policy
 from mileage.cli.main import main
 from mileage.distributed import env
 from mileage.distributed.parallelize import copy_full_weights
@@ -127,18 +128,19 @@ def probed(run):
     })
 
 
-loop.sync_engine = probed
+loop.sync_engine = probed  # the start's sync
+on_policy.sync_engine = probed  # each rollout's
 generated = []
-draw_rollout = loop.draw_rollout
+draw = on_policy.OnPolicySource.draw
 
 
-def probed_draw(run, rollout_id):
-    drawn = draw_rollout(run, rollout_id)
-    generated.append(full_size_tensors(run.model)[0])  # the gathered values freed at once
+def probed_draw(source, rollout_id):
+    drawn = draw(source, rollout_id)
+    generated.append(full_size_tensors(source.run.model)[0])  # the gathered values freed at once
     return drawn
 
 
-loop.draw_rollout = probed_draw
+on_policy.OnPolicySource.draw = probed_draw
 code = main(["train", *sys.argv[3:]])
 with open(f"{out}.{env.rank()}", "w") as f:
     json.dump({"code": code, "reports": reports, "after_generate": generated}, f)

@@ -1,7 +1,8 @@
 """torchrun with a remote engine: `torchrun --nproc-per-node 2 -m mileage train --rollout-engine
 sglang` through two `mileage serve` servers, weights synced through the disk (rank 0 writes them
 from the shards). Rank 0 sends the requests and every rank gets the samples; no rank keeps a
-full copy of the model for generation.
+full copy of the model for generation. The rollouts are multi-turn with a tool: rank 0 runs
+them (the tool once per call) and every rank trains on the samples it shares.
 
 It shows: the run learns and the servers follow every update (the trainer's recomputed
 log-probs match the servers' to float rounding); rollout 0 draws the samples a single process
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import assert_learned, torchrun_env
@@ -27,6 +29,8 @@ from mileage.testing.kills import Kill
 from mileage.testing.servers import SAME_HEAD_AS_TRAINER, start_servers
 
 pytestmark = pytest.mark.slow
+
+TOOLS = Path(__file__).with_name("multiturn_tools.py")
 
 NPROC = 2
 ARGS = [
@@ -40,6 +44,10 @@ ARGS = [
     "--rollout-engine", "sglang",
     "--rollout-timeout", "30",
     "--rollout-sync-timeout", "60",
+    # multi-turn with a tool: rank 0 runs the rollouts, tools included, and shares the samples
+    "--generate-execute-tool-function-path", f"{TOOLS}:tool_counted",
+    "--generate-tool-call-parser", "odd_digit",
+    "--generate-max-turns", "2",
 ]  # fmt: skip
 
 
@@ -63,9 +71,9 @@ def servers(builtin_model):
 @pytest.fixture(scope="module")
 def reference(servers, builtin_model, tmp_path_factory):
     save = tmp_path_factory.mktemp("remote_n2") / "run"
-    done = run_uninterrupted(
-        args_for(servers, 2), save, nproc=NPROC, env=torchrun_env(), timeout=600
-    )
+    calls = save.parent / "tool_calls.log"
+    env = {**torchrun_env(), "MILEAGE_TEST_TOOL_LOG": str(calls)}
+    done = run_uninterrupted(args_for(servers, 2), save, nproc=NPROC, env=env, timeout=600)
     assert_learned(save, builtin_model)
     return save, done
 
@@ -82,6 +90,9 @@ def test_n2_through_servers_learns_and_the_servers_follow_the_weights(reference,
     # every rollout was generated with the weights the trainer had at the time
     assert all(0 <= r["logprob_abs_diff"] < 1e-4 for r in records), records
     assert {served_version(url) for url in servers} == {str(records[-1]["global_step"])}
+    # the tool ran once per call the rollouts made: on rank 0, not once per rank
+    ran = (save.parent / "tool_calls.log").read_text().splitlines()
+    assert len(ran) == sum(r["rollout/tool_calls"] for r in records) > 0
 
 
 def test_n2_draws_the_samples_of_one_process(reference, servers, tmp_path):

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("distributed", ("distributed",)),
     (
         "drivers",
-        ("run_config", "async_config", "preflight", "components", "loop", "async_loop", "plot",
+        ("run_config", "async_config", "preflight", "components", "sources", "loop", "plot",
          "serve", "serve_broadcast", "serve_lora", "serve_requests"),
     ),
     ("cli", ("cli", "__main__", "testing")),

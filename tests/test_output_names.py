@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from mileage.async_loop import generation_rate
 from mileage.cli.main import build_parser
 from mileage.progress import restored_line, summary_line
 from mileage.rollout.buffer import Group
@@ -18,6 +17,7 @@ from mileage.rollout.evaluation import EvalConfig, evaluate, summary
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rollout import RolloutConfig, Sample
 from mileage.run_config import RunConfig
+from mileage.sources.ahead import generation_rate
 
 ROLLOUT = {
     "rollout_id": 7,

@@ -103,6 +103,8 @@ def test_sentinel_file_triggers_a_save_and_is_deleted(cli, tiny_hf, tmp_path):
         save,
         "--save-trigger-sentinel",
         sentinel,
+        "--save-interval",  # no scheduled save before the last rollout: only the sentinel's
+        100,
     )
     assert done.returncode == 0, done.stderr
     assert not sentinel.exists()

@@ -437,7 +437,7 @@ def demo(mileage_home, builtin_model, tmp_path_factory) -> dict:
 def test_rollout_lines_have_the_fields_and_formats_of_the_readme_sample(demo):
     intro = "While training you see a progress bar with ETA and one line per rollout:"
     (sample,) = block_after(section("What the default run does"), intro).strip().splitlines()
-    assert demo["stopped"].returncode == 0, demo["stopped"].stderr[-3000:]
+    assert demo["stopped"].returncode == STOPPED_EXIT, demo["stopped"].stderr[-3000:]
     lines = demo["stopped"].stdout.splitlines()
     printed = [line for line in lines if line.startswith("rollout 147 ")]
     # rollout 147 neither evaluates nor saves, like the README's rollout 41

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import fast_train_args
 
+from mileage import ranks
 from mileage.distributed import rollout as dist_rollout
 from mileage.models.hf import load_causal_lm
 from mileage.rollout.engine import Completion, LocalEngine, SamplingParams
@@ -165,9 +166,11 @@ def test_local_engine_samples_differ_across_rollouts_and_rows(model):
 
 def rank_share(model, monkeypatch, rank: int, world: int, rollout_id: int = 0):
     """What rank `rank` of `world` samples itself (before the all-gather) for one rollout."""
-    monkeypatch.setattr(dist_rollout.env, "world_size", lambda: world)
-    monkeypatch.setattr(dist_rollout.env, "rank", lambda: rank)
-    monkeypatch.setattr(dist_rollout.env, "all_gather_object", lambda value: [value])
+    # env re-exports mileage.ranks' helpers, which call each other there: patch both
+    for module in (dist_rollout.env, ranks):
+        monkeypatch.setattr(module, "world_size", lambda: world)
+        monkeypatch.setattr(module, "rank", lambda: rank)
+        monkeypatch.setattr(module, "all_gather_object", lambda value: [value])
     engine = dist_rollout.ShardedGenerationEngine(LocalEngine(model, 0, 2), group_size=GROUP)
     seed = SamplingSeed(11, rollout_id)
     return responses(engine.generate([PROMPT] * ROWS, PARAMS, seed, group_size=GROUP))

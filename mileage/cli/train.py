@@ -14,13 +14,13 @@ from mileage.checkpoint.tensors import OLD_ACTOR_FILE
 from mileage.components import build_run
 from mileage.distributed import env
 from mileage.distributed.coordination import run_progress, save_dir_lock
-from mileage.errors import UserError
 from mileage.loop import train
 from mileage.preemption import STOPPED_EXIT, PreemptionGuard
 from mileage.preflight import preflight, with_recorded_model
 from mileage.rollout.buffer import describe_saved
 from mileage.rollout.evaluation import summary
 from mileage.run_config import RunConfig
+from mileage.sources import build_source
 
 
 def reuse_line(plan: ResumePlan, asynchronous: bool = True) -> str | None:
@@ -59,21 +59,9 @@ def train_command(cfg: RunConfig, asynchronous: bool = False) -> int:
     """Under torchrun every rank runs this; rank 0 prints, holds the lock and cleans up."""
     env.request_device(cfg.parallel.device)
     if asynchronous:
-        from mileage.async_loop import check_async_run
+        from mileage.sources.ahead import check_async_run
 
         check_async_run(cfg, env.world_size())
-        shaping = cfg.shaping
-        if shaping.overlong_buffer_len or shaping.mask_truncated_completions:
-            raise UserError(
-                "--overlong-buffer-len / --mask-truncated-completions run in `mileage train` "
-                "only; train-async does not support them yet"
-            )
-        if cfg.dynamic.enabled:
-            raise UserError(
-                "dynamic sampling (--dynamic-sampling-filter-path, --over-sampling-batch-size, "
-                "--partial-rollout) runs in `mileage train` only; train-async does not support "
-                "it yet"
-            )
     with env.session():
         return _train(cfg, asynchronous)
 
@@ -122,12 +110,7 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
         run = build_run(cfg, pre, progress.print)
         try:
             with progress:
-                if asynchronous:
-                    from mileage.async_loop import train_async
-
-                    records, stop_reason = train_async(run, progress)
-                else:
-                    records, stop_reason = train(run, progress)
+                records, stop_reason = train(run, progress, build_source(run, asynchronous))
         finally:
             if run.engine is not None:
                 run.engine.close()  # stops a launched server, removes synced weights

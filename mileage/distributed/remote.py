@@ -18,8 +18,9 @@ Rank 0 talks to the servers; every rank gets the completions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import save_file
@@ -32,6 +33,8 @@ from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.models.hf import write_atomically
 from mileage.rollout.engine import Completion, SamplingParams
+
+T = TypeVar("T")
 
 
 def gather_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -152,3 +155,18 @@ class RemoteEngineOnRank0:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+def where_driven(engine, job: Callable[[Any], T]) -> T:
+    """`job(engine)` where the engine is driven, its result on every rank.
+
+    Under torchrun a remote engine is driven by rank 0 and its `generate` is a collective. A
+    rollout that calls it once per turn and runs tools, reward functions or a user's rollout
+    function between the turns runs here on rank 0 alone, with the servers' own client, and the
+    finished samples reach every rank in one broadcast: each tool runs once (a tool with outside
+    state cannot answer the ranks differently), and every rank trains on the same samples. In
+    one process, or with the in-process engine (whose `generate` every rank joins), this is
+    `job(engine)`."""
+    if isinstance(engine, RemoteEngineOnRank0) and env.is_distributed():
+        return on_rank0(lambda: job(engine.engine))
+    return job(engine)

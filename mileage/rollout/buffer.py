@@ -46,6 +46,9 @@ class RolloutBuffer:
         # (aborted), oldest first; their samples keep their tokens and per-token weight versions
         # and continue from there in a later sampling round
         self.partial: deque[Group] = deque()
+        # train-async with --dynamic-sampling-filter-path: groups the filter dropped as their
+        # slot was collected, by reason, over the whole run
+        self.filtered: dict[str, int] = {}
 
     def put(self, slot: int, policy_rollouts: int, samples: list[Sample], n: int) -> None:
         """A finished slot: its samples, `n` consecutive per prompt."""
@@ -85,6 +88,8 @@ class RolloutBuffer:
         }
         if self.partial:  # only then: checkpoints without partial rollout keep their bytes
             state["partial"] = [_group_state(g) for g in self.partial]
+        if self.filtered:  # likewise without a filter
+            state["filtered"] = dict(sorted(self.filtered.items()))
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -93,6 +98,7 @@ class RolloutBuffer:
         self.retry = [Prompt(**p) for p in state["retry"]]
         self.groups = deque(_load_group(g) for g in state["groups"])
         self.partial = deque(_load_group(g) for g in state.get("partial", []))
+        self.filtered = {str(k): int(v) for k, v in state.get("filtered", {}).items()}
 
 
 def _group_state(group: Group) -> dict:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from mileage.checkpoint.layout import checkpoint_path, read_tracker
+from mileage.checkpoint.layout import checkpoint_path, read_tracker, scan_dir
 from mileage.checkpoint.store import verify_checkpoint
 from mileage.metrics import METRICS_FILE
 from mileage.preemption import STOPPED_EXIT
@@ -290,7 +290,7 @@ def _observe(kill: Kill, run: Launch, save_dir: Path, num_rollout: int | None) -
         tracker=tracker,
         logged=logged,
         rollout=_hit_rollout(kill, tracker, logged, num_rollout),
-        expected_start=0 if tracker is None else tracker + 1,
+        expected_start=_expected_start(save_dir, tracker),
     )
     if tracker is not None:
         problems = verify_checkpoint(checkpoint_path(save_dir, tracker))
@@ -305,6 +305,18 @@ def _observe(kill: Kill, run: Launch, save_dir: Path, num_rollout: int | None) -
             f"{' (timed out)' if run.timed_out else ''}: {run.tail()}"
         )
     return outcome
+
+
+def _expected_start(save_dir: Path, tracker: int | None) -> int:
+    """Where the next launch must start: after the tracked checkpoint, or, when a kill came
+    between a checkpoint's commit and the tracker's move, after the newest complete one (the
+    plan's latest-complete discovery); 0 when nothing was committed."""
+    if tracker is not None:
+        return tracker + 1
+    state = scan_dir(save_dir)
+    if state is None or read_tracker(save_dir).exists or not state.complete_ids:
+        return 0
+    return state.complete_ids[-1] + 1
 
 
 def _judge(

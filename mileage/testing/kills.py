@@ -222,7 +222,9 @@ class Outcome:
     logged: int | None = None
     rollout: int | None = None
     intact: bool = True  # the tracker names a checkpoint whose files match its manifest
-    expected_start: int | None = None  # where the next process must start: tracker + 1
+    expected_start: int | None = (
+        None  # where the next process must start: tracker (or newest complete) + 1
+    )
     resumed_at: int | None = None  # where the next process that printed a plan started
     resumed: bool = False  # it started at expected_start, and the run then finished
     problems: list[str] = field(default_factory=list)

@@ -1,12 +1,12 @@
-"""The async driver (`mileage train-async`): generation runs ahead of training, exactly.
+"""The ahead source (`mileage train-async`): generation runs ahead of training, exactly.
 
-for each rollout_id in [start_rollout_id, num_rollout):
-    submit the generation slots the schedule gives the engine's current weights (a background
-    thread generates them, overlapping the training below: one-step-off, slot N+1 during N),
-    take rollout_batch_size groups in submission order (stale ones dropped or retried),
-    correct for the older weights that generated them and train on them,
-    wait for the slots in flight, hand the new weights to the engine if the interval says so,
-    evaluate, log, save (the rollout buffer with the rest, in the same commit).
+Before each rollout, the generation slots the schedule gives the engine's current weights are
+submitted (a background thread generates them, overlapping the training of the rollout before:
+one-step-off, slot N+1 during N); the rollout takes rollout_batch_size groups in submission
+order (stale ones dropped or retried) and is corrected for the older weights that generated
+them; after training, the slots in flight are waited for and the engine gets the new weights if
+the interval says so. The rollout buffer (and with --keep-old-actor the weights its groups came
+from) is saved with the rest, in the same commit.
 
 Which weights generate which slot is fixed by `mileage.async_config`'s schedule, never by
 timing, so a killed run rerun with the same command lands on the uninterrupted run bit for bit.
@@ -23,29 +23,84 @@ from dataclasses import replace
 from mileage.checkpoint.plan import RESUME
 from mileage.checkpoint.store import TRAINER_STATE, CheckpointState, read_json
 from mileage.checkpoint.tensors import load_old_actor_tensors
-from mileage.components import Run, checkpoint_state
+from mileage.components import Run
 from mileage.distributed.background import BackgroundGeneration
-from mileage.distributed.coordination import preemption_guard
 from mileage.errors import UserError
 from mileage.faults import fault_point
-from mileage.loop import (
-    evaluate_if_due,
-    finish,
-    log_and_save,
-    rollout_record,
-    start,
-    sync_engine,
-    train_rollout,
-)
-from mileage.progress import RunProgress
 from mileage.rollout.buffer import STATE_KEY, Group, RolloutBuffer
+from mileage.rollout.dynamic import judge
 from mileage.rollout.engine import LocalEngine
 from mileage.rollout.engines.detached import DetachedLocalEngine
 from mileage.rollout.rollout import generate_samples, save_samples
-from mileage.training.batch import TrainBatch, pack_samples
+from mileage.sources import Drawn, sync_engine
+from mileage.training.batch import TrainBatch
 from mileage.training.mismatch import apply_mismatch, trainer_logprobs
 from mileage.training.offpolicy import decoupled_weights
 from mileage.training.old_actor import OldActor
+
+
+class AheadSource:
+    def __init__(self, run: Run):
+        self.run = run
+        own_engine(run)  # before the loop's start hands the engine its weights
+        self.producer: Producer | None = None
+        self.old_actor: OldActor | None = None
+        self.engine_policy = 0
+        self.stale = 0  # groups the last draw passed over as too stale
+
+    def start(self) -> None:
+        run, acfg = self.run, self.run.cfg.asynchronous
+        buffer = restored_buffer(run)
+        self.producer = Producer(run, buffer, acfg.workers(run.cfg.rollout.samples_per_rollout))
+        # the weights the engine holds, in trained rollouts, as the uninterrupted run has them
+        self.engine_policy = acfg.engine_rollouts(run.plan.start_rollout_id)
+        self.old_actor = restored_old_actor(run, buffer, self.engine_policy)
+
+    def draw(self, rollout_id: int) -> Drawn:
+        submit_due(self.producer, self.engine_policy, rollout_id)
+        fault_point("rollout_start")
+        groups, self.stale, self.engine_policy = take_groups(
+            self.run, self.producer, self.engine_policy, rollout_id, self.old_actor
+        )
+        samples = [s for g in groups for s in g.samples]
+        return Drawn([g.prompt for g in groups], samples, {}, groups)
+
+    def correct(self, batch: TrainBatch, drawn: Drawn, rollout_id: int) -> dict:
+        run, acfg = self.run, self.run.cfg.asynchronous
+        if acfg.corrects(run.cfg.rollout.rollout_batch_size) or acfg.keep_old_actor:
+            return correct_off_policy(run, batch, self.old_actor, drawn.groups, rollout_id)
+        return apply_mismatch(run.cfg.mismatch, run.engine, run.actor, batch)
+
+    def after_train(self, rollout_id: int, drawn: Drawn) -> tuple[bool, dict]:
+        """Wait for the slots in flight, then hand the weights over if the interval says so."""
+        run, producer = self.run, self.producer
+        producer.drain()
+        last_rollout = rollout_id == run.plan.num_rollout - 1
+        if (rollout_id + 1) % run.cfg.asynchronous.update_weights_interval == 0 or last_rollout:
+            fault_point("before_weight_sync")
+            hand_weights(run, self.old_actor, rollout_id + 1)
+            self.engine_policy = rollout_id + 1
+        if self.old_actor is not None:
+            self.old_actor.prune(versions_needed(producer, self.engine_policy))
+        extra = staleness_stats(drawn.groups, rollout_id, self.stale)
+        if run.group_filter is not None:
+            extra |= filter_stats(producer.buffer)
+        # the loop's rate divides by the wait for groups generated ahead
+        extra["tokens_per_s"] = generation_rate(drawn.groups, producer.slot_time)
+        producer.forget_times(g.slot for g in producer.buffer.groups)
+        return self.engine_policy == rollout_id + 1, extra
+
+    def checkpoint(self, state: CheckpointState) -> CheckpointState:
+        """The rollout buffer in the trainer state (one atomic commit with the rest)."""
+        buffer = self.producer.buffer
+        state.trainer[STATE_KEY] = buffer.state_dict()
+        if self.old_actor is not None:  # the weights the buffered groups came from
+            state.old_actor = self.old_actor.state_tensors(g.policy_rollouts for g in buffer.groups)
+        return state
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
 
 
 class Producer:
@@ -102,7 +157,17 @@ class Producer:
         rc = self.run.cfg.rollout
         if rc.save_debug_rollout_data:
             save_samples(rc.save_debug_rollout_data, slot, samples)
-        self.buffer.put(slot, policy, samples, rc.n_samples_per_prompt)
+        n = rc.n_samples_per_prompt
+        keep = self.run.group_filter
+        for start in range(0, len(samples), n):
+            group = samples[start : start + n]
+            # dynamic sampling: judged as the slot is collected, in submission order, so what
+            # is kept never depends on timing; the rollout short of groups takes more slots
+            kept, reason = (True, "") if keep is None else judge(keep, self.run.cfg, group)
+            if kept:
+                self.buffer.put(slot, policy, group, n)
+            else:
+                self.buffer.filtered[reason] = self.buffer.filtered.get(reason, 0) + 1
 
     def forget_times(self, untrained_slots) -> None:
         """Drop the times of slots no untrained group or slot in flight comes from."""
@@ -224,6 +289,7 @@ def take_groups(
     size = run.cfg.rollout.rollout_batch_size
     groups: list[Group] = []
     stale = 0
+    made_up = 0  # slots submitted beyond the schedule's to fill this rollout
     while True:
         more, passed = buffer.take(
             size - len(groups),
@@ -237,10 +303,18 @@ def take_groups(
         if producer.pending:
             producer.collect_oldest()
             continue
+        if made_up == run.cfg.dynamic.dynamic_sampling_max_rounds:
+            reasons = ", ".join(f"{r} {c}" for r, c in sorted(buffer.filtered.items()))
+            raise UserError(
+                f"rollout {rollout_id}: {len(groups)} of {size} groups after {made_up} extra "
+                f"slots (dropped by the filter so far: {reasons or 'none'}); raise "
+                "--dynamic-sampling-max-rounds or filter less"
+            )
         if engine_policy != rollout_id:
             hand_weights(run, old_actor, rollout_id)
             engine_policy = rollout_id
         producer.submit(engine_policy)
+        made_up += 1
 
 
 def generation_rate(groups: list[Group], slot_time: dict[int, tuple[float, int]]) -> float | None:
@@ -267,87 +341,13 @@ def staleness_stats(groups: list[Group], trained: int, stale: int) -> dict:
     }
 
 
-def train_async(run: Run, progress: RunProgress) -> tuple[list[dict], str | None]:
-    cfg, plan, acfg = run.cfg, run.plan, run.cfg.asynchronous
-    size = cfg.rollout.rollout_batch_size
-    if run.agent is not None and run.agent.user.rollout is not None:
-        raise UserError(
-            "--rollout-function-path is not supported by train-async (its producer draws the "
-            "prompts); use --custom-generate-function-path, which is"
-        )
-    own_engine(run)
-    start(run, progress)
-    buffer = restored_buffer(run)
-    producer = Producer(run, buffer, acfg.workers(cfg.rollout.samples_per_rollout))
-    # the weights the engine holds, in trained rollouts, as the uninterrupted run has them
-    engine_policy = acfg.engine_rollouts(plan.start_rollout_id)
-    old_actor = restored_old_actor(run, buffer, engine_policy)
-    records: list[dict] = []
-    stop_reason = None
-
-    def state(run: Run, rollout_id: int) -> CheckpointState:
-        """The checkpoint, with the rollout buffer in its trainer state (one atomic commit)."""
-        saved = checkpoint_state(run, rollout_id)
-        saved.trainer[STATE_KEY] = buffer.state_dict()
-        if old_actor is not None:  # the weights the buffered groups came from
-            saved.old_actor = old_actor.state_tensors(g.policy_rollouts for g in buffer.groups)
-        return saved
-
-    try:
-        with preemption_guard(
-            cfg.loop.save_trigger_sentinel, cfg.loop.stop_grace_seconds
-        ) as preempt:
-            for rollout_id in range(plan.start_rollout_id, plan.num_rollout):
-                started = time.perf_counter()
-                progress.phase(rollout_id, "generate")
-
-                submit_due(producer, engine_policy, rollout_id)
-                fault_point("rollout_start")
-                groups, stale, engine_policy = take_groups(
-                    run, producer, engine_policy, rollout_id, old_actor
-                )
-                samples = [s for g in groups for s in g.samples]
-                generated = time.perf_counter()
-                fault_point("after_generate")
-
-                progress.phase(rollout_id, "train")
-                batch = pack_samples(samples, run.tokenizer.pad_token_id).to(run.device)
-                if acfg.corrects(size) or acfg.keep_old_actor:
-                    correction = correct_off_policy(run, batch, old_actor, groups, rollout_id)
-                else:
-                    correction = apply_mismatch(cfg.mismatch, run.engine, run.actor, batch)
-                stats = {**train_rollout(run, rollout_id, batch), **correction}
-                trained = time.perf_counter()
-                producer.drain()
-                last_rollout = rollout_id == plan.num_rollout - 1
-                if (rollout_id + 1) % acfg.update_weights_interval == 0 or last_rollout:
-                    fault_point("before_weight_sync")
-                    hand_weights(run, old_actor, rollout_id + 1)
-                    engine_policy = rollout_id + 1
-                if old_actor is not None:
-                    old_actor.prune(versions_needed(producer, engine_policy))
-                synced = time.perf_counter()
-                fault_point("after_train")
-
-                prompts = [g.prompt for g in groups]
-                record = rollout_record(
-                    rollout_id, prompts, samples, stats, (started, generated, trained, synced)
-                )
-                record.update(staleness_stats(groups, rollout_id, stale))
-                # rollout_record's rate divides by the wait for groups generated ahead
-                record["tokens_per_s"] = generation_rate(groups, producer.slot_time)
-                producer.forget_times(g.slot for g in producer.buffer.groups)
-                if engine_policy == rollout_id + 1:  # evaluation generates with the engine
-                    evaluate_if_due(run, progress, record)
-                stop_reason = log_and_save(run, progress, preempt, record, records, state)
-                if stop_reason:
-                    break
-            if run.writer is not None:
-                run.writer.wait()
-    finally:
-        producer.close()
-    finish(run, progress, records, stop_reason)
-    return records, stop_reason
+def filter_stats(buffer: RolloutBuffer) -> dict:
+    """With --dynamic-sampling-filter-path: the groups dropped so far, in all and by reason
+    (counted over the run, so a resumed run logs what the uninterrupted one does)."""
+    return {
+        "dynamic_filter/groups_dropped": sum(buffer.filtered.values()),
+        **{f"dynamic_filter/drop_{r}": c for r, c in sorted(buffer.filtered.items())},
+    }
 
 
 def check_async_run(run_cfg, world_size: int) -> None:
@@ -369,6 +369,25 @@ def check_async_run(run_cfg, world_size: int) -> None:
         raise UserError(
             "--load-debug-rollout-data replays saved rollouts and has no engine to generate "
             "ahead with; replay with `mileage train`"
+        )
+    dynamic = run_cfg.dynamic
+    if dynamic.partial_rollout:
+        raise UserError(
+            "--partial-rollout continues unfinished answers at the next rollout's boundary; "
+            "train-async has no such boundary (its slots finish in the background, overlapping "
+            "training), so it has nothing to continue: use one or the other"
+        )
+    if dynamic.over_sampling_batch_size is not None:
+        raise UserError(
+            "--over-sampling-batch-size sizes the sampling rounds of `mileage train`; "
+            "train-async generates whole slots of --rollout-batch-size prompts ahead and "
+            "makes up the groups its --dynamic-sampling-filter-path drops with further slots"
+        )
+    if dynamic.buffer_filter_path:
+        raise UserError(
+            "--buffer-filter-path picks from dynamic sampling's leftover groups; train-async "
+            "trains its buffered groups in submission order, which its --max-weight-staleness "
+            "admission is defined by"
         )
     acfg = run_cfg.asynchronous
     acfg.validate(rc.rollout_batch_size, rc.samples_per_rollout)
