@@ -6,7 +6,7 @@ Everything here is plumbing; the algorithm itself reads top to bottom in `loop.p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from mileage.checkpoint.plan import (
     gather_disk_state,
     reference_source,
 )
+from mileage.checkpoint.registry import CRITIC, DATA, RUN, Recorded, StateRegistry
 from mileage.checkpoint.store import (
     TRAINER_STATE,
     CheckpointState,
@@ -52,7 +53,7 @@ from mileage.precision import set_precision
 from mileage.preflight import Preflight
 from mileage.progress import restored_line
 from mileage.rollout.agent import DEFAULT_CONTEXT, Agent
-from mileage.rollout.buffer import RolloutBuffer
+from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
 from mileage.rollout.builtin_model import (
     ensure_builtin_model,
 )
@@ -80,7 +81,7 @@ from mileage.training.critic import (
     build_critic,
     build_value_model,
     critic_checkpoint_state,
-    restore_critic,
+    restore_critic_optimizer,
 )
 from mileage.training.lora import LoraPolicy, build_lora_policy, refuse_adapter_without_lora
 from mileage.training.lora_sync import AdapterSyncEngine, MergedWeightsEngine, takes_adapters
@@ -105,12 +106,15 @@ class Run:
     model_source: dict  # what meta.json records the run was trained from
     wandb_run_id: str | None  # kept in the trainer state, so a resumed run continues the W&B run
     lora: LoraPolicy | None = None  # --lora-rank: the model is the base with a PEFT adapter
-    # dynamic sampling only: groups kept beyond a rollout's batch, saved with the data position
+    # the rollout buffer, saved with the data position: dynamic sampling's groups kept beyond
+    # a rollout's batch, or train-async's groups generated ahead
     buffer: RolloutBuffer | None = None
     group_filter: GroupFilter | None = None
     buffer_filter: BufferFilter | None = None
     # how prompts become scored samples (single-turn, a generate function, the tool loop)
     agent: Agent | None = None
+    # every part whose state the checkpoint's trainer state holds, registered once
+    parts: StateRegistry = field(default_factory=StateRegistry)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -325,6 +329,17 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         context_length(model_config) or DEFAULT_CONTEXT,
         model_config.get("vocab_size"),
     )
+    data = PromptSource(pre.prompts, cfg.data.rollout_shuffle, cfg.loop.seed)
+    buffer = new_buffer(cfg.dynamic, plan.start_rollout_id)
+    parts = StateRegistry()
+    parts.register("actor", actor)
+    parts.register("data", data, DATA)
+    if critic is not None:
+        parts.register("critic", critic, CRITIC)  # its tensors: critic/ of the checkpoint
+    if wandb_run_id:  # only then: runs without W&B keep byte-identical trainer states
+        parts.register("tracking", Recorded({"wandb_run_id": wandb_run_id}))
+    if buffer is not None:  # dynamic sampling's kept groups belong to the data position
+        parts.register(STATE_KEY, buffer, DATA)
     return Run(
         cfg=cfg,
         plan=plan,
@@ -332,7 +347,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         encode=encode,
         actor=actor,
         engine=engine,
-        data=PromptSource(pre.prompts, cfg.data.rollout_shuffle, cfg.loop.seed),
+        data=data,
         eval_sets=pre.eval_sets,
         reward_fn=pre.reward_fn,
         sampling=SamplingParams(
@@ -351,41 +366,43 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         ),
         wandb_run_id=wandb_run_id,
         lora=lora,
-        buffer=new_buffer(cfg.dynamic, plan.start_rollout_id),
+        buffer=buffer,
         group_filter=pre.group_filter,
         buffer_filter=pre.buffer_filter,
         agent=agent,
+        parts=parts,
     )
 
 
 def restore(run: Run, log) -> None:
-    """Load what the plan says beyond the weights (already loaded by build_run)."""
+    """Load what the plan says beyond the weights (already loaded by build_run): the registered
+    parts of the plan's groups, then the optimizer and RNG tensors."""
     plan = run.plan
     run.metrics.truncate_from(plan.start_rollout_id)
     if plan.action != RESUME:
         return
     trainer = read_json(plan.weights_from, TRAINER_STATE)
-    run.actor.load_state_dict(trainer["actor"])
-    if plan.critic_state:
-        restore_critic(run.actor.critic, plan.weights_from, trainer["critic"], plan.load_optimizer)
+    groups = {
+        RUN,
+        *([DATA] if plan.load_data_state else []),
+        *([CRITIC] if plan.critic_state else []),
+    }
+    run.parts.load_state_dict(trainer, groups, plan.weights_from)
+    if plan.critic_state and plan.load_optimizer:
+        restore_critic_optimizer(run.actor.critic, plan.weights_from)
     if plan.load_optimizer:
         load_optimizer_tensors(plan.weights_from, run.model, run.actor.optimizer)
     if plan.load_rng:
         restore_rng_state(rng_of_this_rank(load_rng_tensors(plan.weights_from)), trainer["rng"])
-    if plan.load_data_state:
-        run.data.load_state_dict(trainer["data"])
     data = trainer["data"] if plan.load_data_state else None
     log(restored_line(plan.weights_from, plan.iteration, run.actor.step, data))
 
 
 def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
     rng_tensors, rng_plain = capture_rng_state()
-    trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), "rng": rng_plain}
-    if run.wandb_run_id:  # only then: runs without W&B keep byte-identical trainer states
-        trainer["tracking"] = {"wandb_run_id": run.wandb_run_id}
+    trainer = {**run.parts.state_dict(), "rng": rng_plain}
     critic = None
     if run.actor.critic is not None:
-        trainer["critic"] = run.actor.critic.state_dict()
         critic = critic_checkpoint_state(
             run.actor.critic,
             checkpoint_meta(

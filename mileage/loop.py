@@ -19,8 +19,7 @@ from contextlib import contextmanager
 from mileage.checkpoint.plan import RESUME
 from mileage.checkpoint.store import CheckpointState
 from mileage.components import Run, checkpoint_state, restore
-from mileage.distributed import env
-from mileage.distributed.coordination import preemption_guard
+from mileage.distributed.coordination import on_rank0, preemption_guard
 from mileage.distributed.remote import where_driven
 from mileage.errors import UserError
 from mileage.faults import fault_point, poison_point
@@ -75,9 +74,17 @@ def evaluate_if_due(run: Run, progress: RunProgress, record: dict) -> None:
 
 def prune_tool_journal(run: Run) -> None:
     """Drop the tool journal's entries that no rollout of this run can generate again: those of
-    slots before the checkpoint it starts from (all of them on a fresh start)."""
-    if run.agent is not None and env.is_main():
-        run.agent.journal.prune(run.plan.start_rollout_id if run.plan.action == RESUME else 1 << 62)
+    slots before the checkpoint it starts from (all of them on a fresh start); what is left is
+    read now, so a damaged journal stops the run before it trains (rank 0 owns the journal)."""
+    if run.agent is not None:
+        journal, resumed = run.agent.journal, run.plan.action == RESUME
+        keep_from = run.plan.start_rollout_id if resumed else 1 << 62
+
+        def prune_and_check() -> None:
+            journal.prune(keep_from)
+            journal.check()
+
+        on_rank0(prune_and_check)
 
 
 def start(run: Run, progress: RunProgress) -> None:

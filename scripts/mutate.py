@@ -203,16 +203,16 @@ MUTANTS = [
         "data-position-not-restored",
         "a resume starts the prompt data from the beginning",
         "mileage/components.py",
-        "    if plan.load_data_state:\n",
-        "    if False:\n",
+        "        *([DATA] if plan.load_data_state else []),\n",
+        "",
         (RESUME,),
     ),
     Mutant(
         "lr-step-not-restored",
         "a resume restarts the LR schedule (optimizer step counter) at 0",
         "mileage/components.py",
-        '    run.actor.load_state_dict(trainer["actor"])\n',
-        "",
+        '    parts.register("actor", actor)\n',
+        '    parts.register("actor", actor, "never")\n',
         (RESUME,),
     ),
     Mutant(
@@ -329,17 +329,16 @@ MUTANTS = [
         "critic-counters-not-restored",
         "a PPO resume restarts the critic's step and rollout counters (LR, critic-only warm-up)",
         "mileage/components.py",
-        '        restore_critic(run.actor.critic, plan.weights_from, trainer["critic"], '
-        "plan.load_optimizer)\n",
-        "        pass\n",
+        '        parts.register("critic", critic, CRITIC)',
+        '        parts.register("critic", critic, "never")',
         (PPO_CRASH,),
     ),
     Mutant(
         "critic-optimizer-not-restored",
         "a PPO resume starts the critic's optimizer state afresh",
-        "mileage/training/critic.py",
-        "    if load_optimizer:\n        load_optimizer_tensors(",
-        "    if False:\n        load_optimizer_tensors(",
+        "mileage/components.py",
+        "    if plan.critic_state and plan.load_optimizer:\n",
+        "    if False:\n",
         (PPO_CRASH,),
     ),
     Mutant(
@@ -569,8 +568,8 @@ MUTANTS = [
         "dist-data-position-rank-0-only",
         "a resume at N=2 restores the data position on rank 0 only",
         "mileage/components.py",
-        "    if plan.load_data_state:\n",
-        "    if plan.load_data_state and env.is_main():\n",
+        "        *([DATA] if plan.load_data_state else []),\n",
+        "        *([DATA] if plan.load_data_state and env.is_main() else []),\n",
         (DIST_CHAIN,),
     ),
     Mutant(
@@ -1066,8 +1065,8 @@ MUTANTS = [
         "a resume drops the tool journal of the rollouts it generates again (a tool with outside "
         "state then answers them differently)",
         "mileage/loop.py",
-        "        run.agent.journal.prune(run.plan.start_rollout_id if run.plan.action == RESUME else 1 << 62)\n",
-        "        run.agent.journal.prune(1 << 62)\n",
+        "        keep_from = run.plan.start_rollout_id if resumed else 1 << 62\n",
+        "        keep_from = 1 << 62\n",
         (f"{COMPOSE}::test_a_random_tool_s_answers_are_replayed_from_the_journal_after_a_kill",),
     ),
     Mutant(
@@ -1091,16 +1090,16 @@ MUTANTS = [
         "async-buffer-not-saved",
         "train-async commits checkpoints without the rollout buffer (the pre-generated slot is lost)",
         "mileage/sources/ahead.py",
-        "        state.trainer[STATE_KEY] = buffer.state_dict()\n",
-        "",
+        "            run.parts.register(STATE_KEY, run.buffer, DATA)\n",
+        "            pass\n",
         (ASYNC_RESUME,),
     ),
     Mutant(
         "async-buffer-not-restored",
         "a resumed train-async run starts with an empty rollout buffer",
         "mileage/sources/ahead.py",
-        "        if state:\n            buffer.load_state_dict(state)\n",
-        "        pass\n",
+        "            run.parts.register(STATE_KEY, run.buffer, DATA)\n",
+        '            run.parts.register(STATE_KEY, run.buffer, "never")\n',
         (ASYNC_RESUME,),
     ),
     Mutant(
@@ -1371,10 +1370,8 @@ MUTANTS = [
         "the saved data position does not count the prompts of buffered groups (finished or in "
         "flight): a resume draws them again and an epoch no longer has each prompt once",
         "mileage/components.py",
-        '    trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), '
-        '"rng": rng_plain}\n',
-        '    trainer = {"actor": run.actor.state_dict(), "data": run.data.state_dict(), '
-        '"rng": rng_plain}\n'
+        '    trainer = {**run.parts.state_dict(), "rng": rng_plain}\n',
+        '    trainer = {**run.parts.state_dict(), "rng": rng_plain}\n'
         "    if run.buffer is not None:\n"
         '        trainer["data"]["offset"] = max(0, trainer["data"]["offset"] - '
         "len(run.buffer.groups) - len(run.buffer.partial))\n",
@@ -1417,17 +1414,17 @@ MUTANTS = [
     Mutant(
         "dynamic-leftover-not-saved",
         "checkpoints of dynamic sampling leave out the buffer of leftover kept groups",
-        "mileage/sources/on_policy.py",
-        "            state.trainer[STATE_KEY] = self.run.buffer.state_dict()\n",
-        "            pass\n",
+        "mileage/components.py",
+        "        parts.register(STATE_KEY, buffer, DATA)\n",
+        "        pass\n",
         (DYNAMIC_CRASH, PARTIAL_CRASH),
     ),
     Mutant(
         "dynamic-leftover-not-restored",
         "a resumed dynamic-sampling run starts with an empty buffer (its leftover groups are lost)",
-        "mileage/sources/on_policy.py",
-        "                self.run.buffer.load_state_dict(state)\n",
-        "                pass\n",
+        "mileage/components.py",
+        "        parts.register(STATE_KEY, buffer, DATA)\n",
+        '        parts.register(STATE_KEY, buffer, "never")\n',
         (DYNAMIC_CRASH, PARTIAL_CRASH),
     ),
     Mutant(

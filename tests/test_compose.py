@@ -13,6 +13,7 @@ driver, and the tool journal proven with a tool whose answer is random on every 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,17 @@ def test_a_random_tool_s_answers_are_replayed_from_the_journal_after_a_kill(
     killed = launch(args, save, Kill.at("after_generate", 2))  # rollout 1, generated, unsaved
     assert killed.died_by_kill, killed.tail()
     first = json.loads((samples / "1.json").read_text())  # the killed process's rollout 1
+    # the journal is part of what the resume restores: a changed byte in a copy of it stops the
+    # run in one line before it trains (the copy's metrics are not extended)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(save, damaged)
+    journal = damaged / "tool_journal" / "slot_1.jsonl"
+    journal.write_text(journal.read_text().replace('"ok"', '"ko"', 1))
+    refused = launch([*args[:-2]], damaged)
+    assert refused.returncode == 2, refused.tail()
+    assert refused.stderr.strip().splitlines()[-1].startswith("mileage: error: the tool journal ")
+    assert "is damaged at line 1 " in refused.stderr
+    assert records(damaged) == records(save)
     rerun = launch(args, save)
     assert rerun.returncode == 0, rerun.tail()
     assert rerun.plan is not None and rerun.plan[0] == 1

@@ -387,3 +387,32 @@ def test_a_taken_parser_name_is_refused_not_replaced():
     assert tool_parsers.PARSERS["calc"] is builtin
     tool_parsers.register_parser("calc", builtin.parse, builtin.render)
     assert tool_parsers.PARSERS["calc"].parse is builtin.parse
+
+
+def test_a_damaged_journal_line_is_refused_a_torn_last_line_is_not(tmp_path):
+    """Each journal line carries a checksum: a changed byte in a written entry stops the run in
+    one line naming the file and line (a resume would otherwise hand a trajectory a tool output
+    nobody got); a last line cut by a kill is left out and its call made again."""
+    from mileage.rollout.journal import ToolJournal
+
+    journal = ToolJournal(tmp_path)
+    journal.record(3, "3/0/0/0/0", "rev", {"x": "12"}, "ok", "21")
+    journal.record(3, "3/0/1/0/0", "rev", {"x": "34"}, "ok", "43")
+    path = tmp_path / "slot_3.jsonl"
+    intact = path.read_bytes()
+    ToolJournal(tmp_path).check()
+
+    path.write_bytes(intact.replace(b'"21"', b'"31"', 1))  # still JSON, another answer
+    with pytest.raises(UserError, match=r"slot_3\.jsonl is damaged at line 1 "):
+        ToolJournal(tmp_path).check()
+
+    path.write_bytes(intact[: len(intact) - 9])  # the second line torn by a kill
+    again = ToolJournal(tmp_path)
+    again.check()
+    assert again.lookup(3, "3/0/0/0/0", "rev", {"x": "12"}) == ("ok", "21")
+    assert again.lookup(3, "3/0/1/0/0", "rev", {"x": "34"}) is None  # called again
+
+    # a journal written before lines had checksums still replays
+    path.write_text('{"arguments": {"x": "12"}, "key": "3/0/0/0/0", "name": "rev", '
+                    '"output": "21", "status": "ok"}\n')  # fmt: skip
+    assert ToolJournal(tmp_path).lookup(3, "3/0/0/0/0", "rev", {"x": "12"}) == ("ok", "21")

@@ -37,6 +37,9 @@ class Group:
 class RolloutBuffer:
     """Generated-but-untrained groups in submission order, plus what the producer owes."""
 
+    # a checkpoint of a run without a buffer (plain `mileage train`) resumes with an empty one
+    optional_in_checkpoint = True
+
     def __init__(self) -> None:
         self.groups: deque[Group] = deque()
         self.next_slot = 0  # the next slot to submit

@@ -10,7 +10,10 @@ Layout: `{save}/tool_journal/slot_{N}.jsonl`, one file per generation slot (roll
 and dynamic sampling slots), one JSON line per call keyed by (slot, prompt position, sample
 index, turn, call in turn). An entry is used only if the recorded request (tool name and
 arguments) equals the new one, so a journal can never hand a trajectory an output it did not
-ask for. A torn last line (a kill inside a write) is ignored: that call is made again.
+ask for. A torn last line (a kill inside a write) is ignored: that call is made again. Every
+line carries a checksum of its entry; a line that fails it (a flipped byte on disk), or a line
+that is not JSON before the last, is refused in one line when the run starts (`check`), as a
+damaged checkpoint is: the journal is part of what makes the resume exact.
 
 Pruning follows the checkpoint: slots below the one a run starts from can never be generated
 again, so `prune(start)` deletes their files when the run starts (after the plan chose its
@@ -19,13 +22,52 @@ checkpoint) and after each committed save. A fresh start (no checkpoint) clears 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
+from mileage.errors import UserError
+
 JOURNAL_DIR = "tool_journal"
+CHECKSUM = "sha256"  # of the entry's other fields, as sorted-key JSON; absent in old journals
+
+
+def entry_checksum(entry: dict[str, Any]) -> str:
+    body = {k: v for k, v in entry.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_entries(path: Path) -> dict[str, dict[str, Any]]:
+    """The entries of one slot's file, by key. A torn last line (no newline: a kill inside its
+    write) is left out; any other line that is not JSON or fails its checksum is refused."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    entries: dict[str, dict[str, Any]] = {}
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        torn = number == len(lines)  # the text after the last newline
+        try:
+            entry = json.loads(line)
+            ok = isinstance(entry, dict) and entry.get(CHECKSUM, None) in (
+                None,
+                entry_checksum(entry),
+            )
+        except json.JSONDecodeError:
+            ok = False
+        if not ok and torn:
+            continue  # that call is made again
+        if not ok:
+            raise UserError(
+                f"the tool journal {path} is damaged at line {number} (not the entry that was "
+                "written); delete the file to call those tools again (their rollout is then not "
+                "the killed run's), or restore it from a copy"
+            )
+        entries[entry["key"]] = entry
+    return entries
 
 
 def call_key(slot: int, prompt: int, sample: int, turn: int, call: int) -> str:
@@ -50,12 +92,7 @@ class ToolJournal:
         if slot not in self._loaded:
             entries: dict[str, dict[str, Any]] = {}
             if self.directory is not None and self._path(slot).is_file():
-                for line in self._path(slot).read_text(encoding="utf-8").splitlines():
-                    try:
-                        entry = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a torn last line: that call is made again
-                    entries[entry["key"]] = entry
+                entries = read_entries(self._path(slot))
             self._loaded[slot] = entries
         return self._loaded[slot]
 
@@ -81,6 +118,7 @@ class ToolJournal:
             "status": status,
             "output": output,
         }
+        entry[CHECKSUM] = entry_checksum(entry)
         if self.directory is None:
             return  # a run without --save cannot resume: nothing would ever read it back
         with self._lock:
@@ -93,6 +131,12 @@ class ToolJournal:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+    def check(self) -> None:
+        """Read every slot's file now, so a damaged one stops the run before it trains."""
+        with self._lock:
+            for path in sorted(self.directory.glob("slot_*.jsonl")) if self.directory else ():
+                read_entries(path)
 
     def prune(self, below: int) -> None:
         """Delete the entries of slots < `below` (they are in a committed checkpoint's past)."""

@@ -21,7 +21,8 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 from mileage.checkpoint.plan import RESUME
-from mileage.checkpoint.store import TRAINER_STATE, CheckpointState, read_json
+from mileage.checkpoint.registry import DATA
+from mileage.checkpoint.store import CheckpointState
 from mileage.checkpoint.tensors import load_old_actor_tensors
 from mileage.components import Run
 from mileage.distributed.background import BackgroundGeneration
@@ -43,6 +44,12 @@ class AheadSource:
     def __init__(self, run: Run):
         self.run = run
         own_engine(run)  # before the loop's start hands the engine its weights
+        if run.buffer is None:  # with a dynamic-sampling filter, build_run made and registered it
+            # a fresh start's (or a `mileage train` checkpoint's) first slot is the first
+            # rollout, seeded as `mileage train` seeds it; a checkpoint's buffer says otherwise
+            run.buffer = RolloutBuffer()
+            run.buffer.next_slot = run.plan.start_rollout_id
+            run.parts.register(STATE_KEY, run.buffer, DATA)
         self.producer: Producer | None = None
         self.old_actor: OldActor | None = None
         self.engine_policy = 0
@@ -50,7 +57,7 @@ class AheadSource:
 
     def start(self) -> None:
         run, acfg = self.run, self.run.cfg.asynchronous
-        buffer = restored_buffer(run)
+        buffer = run.buffer  # restored with the data position, by the run's registry
         self.producer = Producer(run, buffer, acfg.workers(run.cfg.rollout.samples_per_rollout))
         # the weights the engine holds, in trained rollouts, as the uninterrupted run has them
         self.engine_policy = acfg.engine_rollouts(run.plan.start_rollout_id)
@@ -91,9 +98,8 @@ class AheadSource:
         return self.engine_policy == rollout_id + 1, extra
 
     def checkpoint(self, state: CheckpointState) -> CheckpointState:
-        """The rollout buffer in the trainer state (one atomic commit with the rest)."""
+        """The weights the buffered groups came from (the buffer is a registered part)."""
         buffer = self.producer.buffer
-        state.trainer[STATE_KEY] = buffer.state_dict()
         if self.old_actor is not None:  # the weights the buffered groups came from
             state.old_actor = self.old_actor.state_tensors(g.policy_rollouts for g in buffer.groups)
         return state
@@ -181,19 +187,6 @@ class Producer:
 
     def close(self) -> None:
         self.background.close()
-
-
-def restored_buffer(run: Run) -> RolloutBuffer:
-    buffer = RolloutBuffer()
-    plan = run.plan
-    # without a saved buffer (a fresh start, or a checkpoint of `mileage train`) the first slot
-    # is the first rollout, seeded as `mileage train` would seed it
-    buffer.next_slot = plan.start_rollout_id
-    if plan.action == RESUME and plan.load_data_state:  # the buffer belongs to the data position
-        state = read_json(plan.weights_from, TRAINER_STATE).get(STATE_KEY)
-        if state:
-            buffer.load_state_dict(state)
-    return buffer
 
 
 def restored_old_actor(run: Run, buffer: RolloutBuffer, engine_policy: int) -> OldActor | None:

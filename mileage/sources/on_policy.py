@@ -6,13 +6,11 @@ generates itself; `--load-debug-rollout-data` replays saved samples."""
 
 from __future__ import annotations
 
-from mileage.checkpoint.plan import RESUME
-from mileage.checkpoint.store import TRAINER_STATE, CheckpointState, read_json
+from mileage.checkpoint.store import CheckpointState
 from mileage.components import Run
 from mileage.distributed import env
 from mileage.distributed.remote import where_driven
 from mileage.faults import fault_point
-from mileage.rollout.buffer import STATE_KEY
 from mileage.rollout.dynamic import sample_dynamic
 from mileage.rollout.partial import RoundGenerator, offpolicy_tokens, sample_partial
 from mileage.rollout.rollout import generate_samples, load_samples, save_samples
@@ -26,13 +24,7 @@ class OnPolicySource:
         self.run = run
 
     def start(self) -> None:
-        """Dynamic sampling's buffered groups belong to the data position: the prompts they
-        hold were drawn, so they are restored with it."""
-        plan = self.run.plan
-        if self.run.buffer is not None and plan.action == RESUME and plan.load_data_state:
-            state = read_json(plan.weights_from, TRAINER_STATE).get(STATE_KEY)
-            if state:
-                self.run.buffer.load_state_dict(state)
+        """Nothing of its own: dynamic sampling's buffer is a registered part of the run."""
 
     def draw(self, rollout_id: int) -> Drawn:
         """The rollout's prompts, their samples, and (with dynamic sampling) how they were found."""
@@ -83,8 +75,6 @@ class OnPolicySource:
         return True, {}
 
     def checkpoint(self, state: CheckpointState) -> CheckpointState:
-        if self.run.buffer is not None:  # only then: other runs stay byte-identical
-            state.trainer[STATE_KEY] = self.run.buffer.state_dict()
         return state
 
     def close(self) -> None:

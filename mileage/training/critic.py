@@ -259,8 +259,6 @@ def critic_checkpoint_state(critic: Critic, meta: dict) -> CheckpointState:
     )
 
 
-def restore_critic(critic: Critic, checkpoint: str, state: dict, load_optimizer: bool) -> None:
-    """A resume: the critic's counters, and its optimizer unless --no-load-optim."""
-    critic.load_state_dict(state)
-    if load_optimizer:
-        load_optimizer_tensors(Path(checkpoint) / CRITIC_DIR, critic.model, critic.optimizer)
+def restore_critic_optimizer(critic: Critic, checkpoint: str) -> None:
+    """A resume's critic optimizer state (its counters are a registered checkpoint part)."""
+    load_optimizer_tensors(Path(checkpoint) / CRITIC_DIR, critic.model, critic.optimizer)
