@@ -31,7 +31,9 @@ ASYNC_ARGS = crash_run_args(async_save=True)
 
 # (kill, rollout it hits, tracker after it): with synchronous saves every kill lands at a known
 # place, and each launch resumes where the previous kill left the run. Every gap of the commit
-# order (store.py) is hit once while saving rollout 0.
+# order (store.py) before the rename is hit while saving rollout 0; after the rename the
+# checkpoint is complete, so a kill there (tracker not moved yet) resumes after it: the next
+# launch finds the newest complete checkpoint (the plan's discovery) and goes on from there.
 SYNC_CHAIN = [
     (Kill.at("rollout_start"), 0, None),  # after the eval before training
     (Kill.at("after_generate"), 0, None),
@@ -41,15 +43,15 @@ SYNC_CHAIN = [
     (Kill.at("save_after_state"), 0, None),
     (Kill.at("save_before_manifest"), 0, None),
     (Kill.at("commit_before_rename"), 0, None),
-    (Kill.at("commit_after_rename"), 0, None),
-    (Kill.at("tracker_before_replace"), 0, None),
-    (Kill.at("commit_after_tracker"), 0, 0),
-    (Kill.at("save_after_prune"), 1, 1),
-    (Kill.at("after_train"), 2, 1),
-    (Kill.at("after_metrics"), 2, 1),  # logged but not saved, an eval rollout: the log is cut back
-    (Kill.at("commit_before_tracker"), 2, 1),  # complete iter_2 the tracker does not name
-    (Kill.at("optimizer_step", 4), 3, 2),  # last step of rollout 3
-    (Kill.at("save_after_model", 2), 4, 3),
+    (Kill.at("commit_after_rename"), 0, None),  # iter_0 complete, no tracker: resumes at 1
+    (Kill.at("tracker_before_replace"), 1, None),  # iter_1 complete, no tracker: resumes at 2
+    (Kill.at("commit_after_tracker"), 2, 2),
+    (Kill.at("save_after_prune"), 3, 3),
+    (Kill.at("after_train"), 4, 3),
+    (Kill.at("after_metrics"), 4, 3),  # logged but not saved: the log is cut back
+    (Kill.at("commit_before_tracker"), 4, 3),  # complete iter_4 the tracker (3) does not name
+    (Kill.at("optimizer_step", 2), 4, 3),  # last step of rollout 4
+    (Kill.at("save_after_model"), 4, 3),
     (Kill.at("rollout_start"), 4, 3),  # twice in a row at the same place
     (Kill.at("commit_before_tracker"), 4, 3),
     (Kill.at("after_generate", 2), 5, 4),
@@ -58,7 +60,8 @@ SYNC_CHAIN = [
 
 # With --async-save the main thread runs ahead of the save in flight, so where a kill leaves
 # the tracker varies; the hits are chosen so that each kill is reached whichever way it goes.
-# A kill before the tracker moves, in the writer thread, leaves the run where it was.
+# A kill before the tracker moves, in the writer thread, leaves the run where it was (or, past
+# the rename, after the complete checkpoint it wrote).
 ASYNC_CHAIN = [
     Kill.at("save_after_model"),  # in the writer thread, while rollout 1 generates
     Kill.at("save_after_optimizer"),
@@ -68,11 +71,11 @@ ASYNC_CHAIN = [
     Kill.at("commit_after_rename"),
     Kill.at("tracker_before_replace"),
     Kill.at("save_after_prune"),
-    Kill.at("optimizer_step", 3),  # rollout start+1, with the previous save maybe in flight
-    Kill.at("commit_before_tracker", 2),
-    Kill.at("after_metrics", 2),
-    Kill.at("save_after_model", 2),
+    Kill.at("optimizer_step", 3),  # the next rollout's first step, its predecessor's save in flight
+    Kill.at("after_metrics"),
+    Kill.at("save_after_model"),
     Kill.at("rollout_start"),
+    Kill.at("commit_before_tracker"),
     Kill.at("after_train"),
     Kill.at("commit_after_tracker"),
 ]

@@ -289,7 +289,7 @@ def _observe(kill: Kill, run: Launch, save_dir: Path, num_rollout: int | None) -
         run,
         tracker=tracker,
         logged=logged,
-        rollout=_hit_rollout(kill, tracker, logged, num_rollout),
+        rollout=_hit_rollout(kill, _committed(save_dir, tracker), logged, num_rollout),
         expected_start=_expected_start(save_dir, tracker),
     )
     if tracker is not None:
@@ -307,16 +307,20 @@ def _observe(kill: Kill, run: Launch, save_dir: Path, num_rollout: int | None) -
     return outcome
 
 
-def _expected_start(save_dir: Path, tracker: int | None) -> int:
-    """Where the next launch must start: after the tracked checkpoint, or, when a kill came
-    between a checkpoint's commit and the tracker's move, after the newest complete one (the
-    plan's latest-complete discovery); 0 when nothing was committed."""
-    if tracker is not None:
-        return tracker + 1
+def _committed(save_dir: Path, tracker: int | None) -> int | None:
+    """The checkpoint the next launch resumes from: the tracked one, or, when a kill came
+    between a checkpoint's rename and the tracker's move (no tracker yet), the newest complete
+    one (the plan's latest-complete discovery); None when nothing was committed."""
+    if tracker is not None or read_tracker(save_dir).exists:
+        return tracker
     state = scan_dir(save_dir)
-    if state is None or read_tracker(save_dir).exists or not state.complete_ids:
-        return 0
-    return state.complete_ids[-1] + 1
+    return state.complete_ids[-1] if state is not None and state.complete_ids else None
+
+
+def _expected_start(save_dir: Path, tracker: int | None) -> int:
+    """Where the next launch must start: after the checkpoint it resumes from, else at 0."""
+    committed = _committed(save_dir, tracker)
+    return 0 if committed is None else committed + 1
 
 
 def _judge(
