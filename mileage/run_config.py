@@ -358,6 +358,68 @@ class RunConfig:
         self.shaping.validate(r.rollout_max_response_len)
         self.precision.requested()
 
+    def validate_async(self) -> None:
+        """What `mileage train-async` refuses beyond `validate` (one line each, exit 2)."""
+        rc = self.rollout
+        if env.world_size() > 1 and not self.engine.remote:
+            raise UserError(
+                "train-async under torchrun generates on remote engines only (--rollout-engine "
+                "sglang with --rollout-url, e.g. `mileage serve`); run it as one process for the "
+                "in-process engine, or train synchronously under torchrun with "
+                "`torchrun ... -m mileage train ...`"
+            )
+        if env.world_size() > 1 and self.asynchronous.keep_old_actor:
+            raise UserError(
+                "--keep-old-actor keeps whole weight copies and is not available under torchrun "
+                "yet; use the default decoupled correction there"
+            )
+        if rc.load_debug_rollout_data:
+            raise UserError(
+                "--load-debug-rollout-data replays saved rollouts and has no engine to generate "
+                "ahead with; replay with `mileage train`"
+            )
+        if self.multiturn.rollout_function_path:
+            raise UserError(
+                "--rollout-function-path draws its own prompts and generates them when the "
+                "rollout starts; train-async draws each slot's prompts ahead, in submission order, "
+                "and generates them in the background: use --custom-generate-function-path (one "
+                "sample at a time, tools included), which train-async runs"
+            )
+        dynamic = self.dynamic
+        if dynamic.partial_rollout:
+            raise UserError(
+                "--partial-rollout continues unfinished answers at the next rollout's boundary; "
+                "train-async has no such boundary (its slots finish in the background, overlapping "
+                "training), so it has nothing to continue: use one or the other"
+            )
+        if dynamic.over_sampling_batch_size is not None:
+            raise UserError(
+                "--over-sampling-batch-size sizes the sampling rounds of `mileage train`; "
+                "train-async generates whole slots of --rollout-batch-size prompts ahead and "
+                "makes up the groups its --dynamic-sampling-filter-path drops with further slots"
+            )
+        if dynamic.buffer_filter_path:
+            raise UserError(
+                "--buffer-filter-path picks from dynamic sampling's leftover groups; train-async "
+                "trains its buffered groups in submission order, which its --max-weight-staleness "
+                "admission is defined by"
+            )
+        acfg = self.asynchronous
+        acfg.validate(rc.rollout_batch_size, rc.samples_per_rollout)
+        mc = self.mismatch
+        if acfg.keep_old_actor and mc.use_rollout_logprobs:
+            raise UserError(
+                "--use-rollout-logprobs takes the engine's log-probs as the PPO ratio's denominator, "
+                "which --keep-old-actor recomputes with the weights that generated them; choose one"
+            )
+        corrects = acfg.corrects(rc.rollout_batch_size) and not acfg.keep_old_actor
+        if corrects and (mc.use_tis or mc.use_rollout_logprobs):
+            raise UserError(
+                "--use-tis / --use-rollout-logprobs choose the old policy of synchronous "
+                "training; with samples from older weights, --off-policy-correction does "
+                "(decoupled or tis), or --keep-old-actor with them"
+            )
+
     def num_rollout(self, num_prompts: int) -> int:
         if self.loop.num_rollout is not None:
             return self.loop.num_rollout

@@ -132,6 +132,14 @@ BAD = [
     (["--use-tis"], "--off-policy-correction does"),
     (["--keep-old-actor", "--off-policy-correction", "tis"], "--keep-old-actor is itself"),
     (["--keep-old-actor", "--use-rollout-logprobs"], "which --keep-old-actor recomputes"),
+    # dynamic sampling composes with train-async through its filter; these name their reason
+    (["--partial-rollout"], "train-async has no such boundary"),
+    (["--over-sampling-batch-size", "8"], "makes up the groups its --dynamic-sampling-filter"),
+    (
+        ["--buffer-filter-path", "f.py:f", "--dynamic-sampling-filter-path", "f.py:g"],
+        "in submission order",
+    ),
+    (["--rollout-function-path", "f.py:f"], "train-async draws each slot's prompts ahead"),
 ]
 
 

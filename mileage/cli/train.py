@@ -59,9 +59,7 @@ def train_command(cfg: RunConfig, asynchronous: bool = False) -> int:
     """Under torchrun every rank runs this; rank 0 prints, holds the lock and cleans up."""
     env.request_device(cfg.parallel.device)
     if asynchronous:
-        from mileage.sources.ahead import check_async_run
-
-        check_async_run(cfg, env.world_size())
+        cfg.validate_async()
     with env.session():
         return _train(cfg, asynchronous)
 
