@@ -420,7 +420,7 @@ MUTANTS = [
     Mutant(
         "broadcast-weights-not-loaded",
         "mileage serve receives broadcast weights but does not load them",
-        "mileage/serve_broadcast.py",
+        "mileage/serve/broadcast.py",
         "                    params[name].copy_(value)  # casts to the model's dtype, as SGLang loads\n",
         "                    pass\n",
         (f"{ENGINES}::test_weights_by_broadcast_equal_weights_from_disk",),
@@ -458,7 +458,7 @@ MUTANTS = [
     Mutant(
         "server-ignores-row-seed",
         "mileage serve draws each row from its own random seed, not the request's sampling_seed",
-        "mileage/serve.py",
+        "mileage/serve/server.py",
         "generators = [torch.Generator().manual_seed(seed) for seed in seeds]",
         "generators = [torch.Generator().manual_seed(torch.seed()) for seed in seeds]",
         (
@@ -813,7 +813,7 @@ MUTANTS = [
     Mutant(
         "serve-sizes-unchecked",
         "mileage serve generates whatever max_new_tokens a request asks for",
-        "mileage/serve.py",
+        "mileage/serve/server.py",
         "        self._check_sizes(rows, params.max_new_tokens)\n",
         "",
         (
@@ -990,7 +990,7 @@ MUTANTS = [
     Mutant(
         "serve-refuses-partial-buckets",
         "mileage serve refuses a bucket that is not the whole model",
-        "mileage/serve_broadcast.py",
+        "mileage/serve/broadcast.py",
         "            if done:\n                arrived = self.pending | set(received)",
         "            if True:\n                arrived = self.pending | set(received)",
         (
@@ -1296,7 +1296,7 @@ MUTANTS = [
     Mutant(
         "served-adapter-ignored",
         "mileage serve generates with the base alone whatever adapter a request names",
-        "mileage/serve.py",
+        "mileage/serve/server.py",
         "            with self.lora.adapters.active(adapter):\n",
         "            with self.lora.adapters.active(None):\n",
         (LORA_SERVED,),
@@ -1304,7 +1304,7 @@ MUTANTS = [
     Mutant(
         "served-adapter-partial-load",
         "mileage serve loads an adapter missing tensors (PEFT's random init stands in)",
-        "mileage/serve_lora.py",
+        "mileage/serve/lora.py",
         "        if missing or unexpected:\n",
         "        if unexpected:\n",
         (LORA_SERVED,),
@@ -1700,7 +1700,7 @@ MUTANTS = [
     Mutant(
         "serve-reload-drops-the-dtype",
         "`mileage serve` computes reloaded weights in fp32 whatever its --dtype",
-        "mileage/serve.py",
+        "mileage/serve/server.py",
         "self.engine.update_weights(set_precision(model, self.precision, self.fp32_lm_head))",
         "self.engine.update_weights(model)",
         (f"{SERVE}::test_serve_says_its_dtype_and_keeps_it_across_weight_reloads",),
@@ -2012,7 +2012,7 @@ MUTANTS = [
     Mutant(
         "serve-takes-infinite-sampling-params",
         "mileage serve samples with an infinite or NaN temperature/top_p",
-        "mileage/serve_requests.py",
+        "mileage/serve/requests.py",
         "not isinstance(value, (int, float)) or not math.isfinite(value):",
         "not isinstance(value, (int, float)):",
         (
@@ -2023,7 +2023,7 @@ MUTANTS = [
     Mutant(
         "serve-reads-any-announced-body",
         "mileage serve reads a body of whatever size a Content-Length announces",
-        "mileage/serve_requests.py",
+        "mileage/serve/requests.py",
         "    if len(raw) > 18 or int(raw) > limit:\n",
         "    if False:\n",
         (
@@ -2034,7 +2034,7 @@ MUTANTS = [
     Mutant(
         "serve-loads-another-model",
         "mileage serve's weight update swaps in a model of another vocabulary or architecture",
-        "mileage/serve.py",
+        "mileage/serve/server.py",
         "            self._refuse_another_model(path, model)\n",
         "",
         (

@@ -16,7 +16,7 @@ import torch
 
 from mileage.cli.main import main
 from mileage.models.hf import load_causal_lm
-from mileage.serve import EngineServer, RequestError, Server, make_handler
+from mileage.serve.server import EngineServer, RequestError, Server, make_handler
 
 PROMPT = [1, 5, 6, 7]
 
@@ -224,7 +224,7 @@ def test_adapter_syncs_raise_no_peft_warning(tiny_hf):
     import peft
     from peft import get_peft_model_state_dict
 
-    from mileage.serve_lora import ServedAdapters
+    from mileage.serve.lora import ServedAdapters
 
     config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
     with warnings.catch_warnings():  # PEFT asks transformers a deprecated question

@@ -31,7 +31,7 @@ FAKE_SERVER = """
 import argparse, json, os, subprocess, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from mileage.seeding import configure_determinism
-from mileage.serve import EngineServer
+from mileage.serve.server import EngineServer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model"); parser.add_argument("--host"); parser.add_argument("--port", type=int)

@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "drivers",
         ("run_config", "async_config", "preflight", "components", "sources", "loop", "plot",
-         "serve", "serve_broadcast", "serve_lora", "serve_requests"),
+         "serve"),
     ),
     ("cli", ("cli", "__main__", "testing")),
 )  # fmt: skip

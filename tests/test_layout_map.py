@@ -39,7 +39,7 @@ def named_paths() -> set[str]:
         assert depth <= len(folders), f"indented deeper than its folder: {line!r}"
         del folders[depth:]
         names = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
-        for name in names.split(", "):  # "serve.py, serve_requests.py"
+        for name in names.split(", "):  # "a.py, b.py": two modules on one line
             path = "".join(folders) + name
             paths.add(path)
             if name.endswith("/"):

@@ -84,8 +84,8 @@ def test_served_adapter_generates_exactly_as_the_trainers_local_engine(builtin_m
 
     from mileage.models.lora import save_adapter
     from mileage.rollout.engines.adapters import encode_tensors
-    from mileage.serve import EngineServer
-    from mileage.serve_lora import TENSOR_FORMAT
+    from mileage.serve.lora import TENSOR_FORMAT
+    from mileage.serve.server import EngineServer
 
     policy = trained_like_policy(builtin_model)
     adapter_dir = tmp_path / "adapter"
@@ -139,7 +139,7 @@ def test_served_adapter_generates_exactly_as_the_trainers_local_engine(builtin_m
 
 
 def test_serve_without_enable_lora_refuses_adapters(builtin_model, tmp_path):
-    from mileage.serve import EngineServer
+    from mileage.serve.server import EngineServer
 
     server = EngineServer(str(builtin_model), "fp32")
     assert server.server_info()["enable_lora"] is False

@@ -35,7 +35,7 @@ def generate(url, payload):
 
 def test_serve_says_its_dtype_and_keeps_it_across_weight_reloads(server, tiny_hf):
     from mileage.precision import precision_of
-    from mileage.serve import EngineServer
+    from mileage.serve.server import EngineServer
 
     chosen, why = resolve("auto", torch.device("cpu"))
     dtype = {"fp32": "float32", "bf16": "bfloat16"}[chosen]

@@ -27,7 +27,7 @@ from mileage.rollout.sizes import (
     memory_bytes,
     prompt_over,
 )
-from mileage.serve import EngineServer, RequestError
+from mileage.serve.server import EngineServer, RequestError
 from mileage.testing.servers import start_servers
 
 RAM = memory_bytes(torch.device("cpu"))

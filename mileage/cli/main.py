@@ -153,7 +153,7 @@ COMMANDS: tuple[tuple[str, str, Callable[[Any], None]], ...] = (
     (
         "serve",
         "serve a model over SGLang's native HTTP API (/generate, weight reloads)",
-        _module_register("mileage.serve"),
+        _module_register("mileage.serve.server"),
     ),
     ("plot", "PNG of a run's per-rollout metrics", _add_plot),
 )

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mileage.models.tensors import model_tensors
-from mileage.serve_requests import version_label
+from mileage.serve.requests import version_label
 
 
 class WeightUpdateError(ValueError):

@@ -11,16 +11,16 @@ Endpoints (the SGLang request and reply shapes, the subset mileage uses):
   `completion_tokens` and `weight_version`.
 - LoRA adapters (SGLang's `/load_lora_adapter`, `/load_lora_adapter_from_tensors`,
   `/unload_lora_adapter`, `/update_weight_version`, and `lora_path` in `/generate`):
-  `mileage/serve_lora.py`.
+  `mileage/serve/lora.py`.
 - `POST /update_weights_from_disk`: `model_path` (an HF directory), optional `weight_version`;
   replies `{"success", "message", "num_paused_requests"}`.
 - `GET /get_server_info`: SGLang's fields that clients read: `tp_size`, `pp_size`, `dp_size`
   (1 each), `dtype` (the weights'), `enable_deterministic_inference` (true: seeds are honoured),
   `model_path`, `weight_version`.
 - `POST /init_weights_update_group` and `POST /update_weights_from_distributed`: SGLang's
-  weight transfer over a collective, in buckets: `mileage/serve_broadcast.py`.
+  weight transfer over a collective, in buckets: `mileage/serve/broadcast.py`.
 
-Every field of a request is checked before the server acts on it (`mileage/serve_requests.py`):
+Every field of a request is checked before the server acts on it (`mileage/serve/requests.py`):
 a request it cannot take gets HTTP 400 with `{"error": "<field>: expected ..."}`, and a body that
 is too large (413) or does not arrive (408) is answered too, within a bound.
 
@@ -52,9 +52,9 @@ from mileage.precision import BF16, FP32, resolve, set_precision, torch_dtype_na
 from mileage.rollout.engine import Completion, LocalEngine
 from mileage.rollout.sizes import kv_cache_problem, length_problem
 from mileage.seeding import configure_determinism
-from mileage.serve_broadcast import BroadcastEndpoints
-from mileage.serve_lora import AdapterEndpoints
-from mileage.serve_requests import (
+from mileage.serve.broadcast import BroadcastEndpoints
+from mileage.serve.lora import AdapterEndpoints
+from mileage.serve.requests import (
     BODY_TIMEOUT_S,
     BodyError,
     RequestError,

@@ -21,7 +21,7 @@ from email.message import Message
 from typing import Any, BinaryIO
 
 from mileage.rollout.engine import SamplingParams
-from mileage.serve_lora import lora_name_of
+from mileage.serve.lora import lora_name_of
 
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "sampling_seed", "top_k", "n"}
 # a larger body is refused before any of it is read. The largest a client sends is an adapter
