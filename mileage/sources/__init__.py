@@ -10,8 +10,10 @@ weights generated the samples it hands over and how the trainer corrects for the
   weights a fixed schedule gives them, ahead of training, and corrects for their age.
 
 A new way of producing samples (a teacher, an agent endpoint) is a new source, never a branch
-in the loop. A source's own state (a rollout buffer, kept old weights) goes into the rollout's
-checkpoint through `checkpoint`, in the same commit as the rest.
+in the loop. A source's state goes into the rollout's checkpoint in the same commit as the
+rest: what has a `state_dict` (a rollout buffer) is registered in the run's `parts` when the
+source is built, before the restore; tensors (train-async's kept old weights) through
+`checkpoint`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class RolloutSource(Protocol):
         now holds them (evaluation generates with it) and what to add to the rollout's record."""
 
     def checkpoint(self, state: CheckpointState) -> CheckpointState:
-        """`state` with this source's own state in it."""
+        """`state` with this source's own tensors in it."""
 
     def close(self) -> None: ...
 
