@@ -92,8 +92,23 @@ def load_jsonl(
                 continue
             try:
                 record = json.loads(line)
+                # a \ud800-\udfff escape outside a pair reads as a str UTF-8 cannot encode (the
+                # tokenizer, preflight's byte count); only a \u escape can give one
+                if "\\u" in line:
+                    json.dumps(record, ensure_ascii=False).encode("utf-8")
             except json.JSONDecodeError as exc:
                 raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise UserError(f"{path}:{lineno}: JSON nested too deeply to read") from None
+            except UnicodeEncodeError:
+                raise UserError(
+                    f"{path}:{lineno}: a \\u escape of half a surrogate pair, which is no "
+                    "character; write the text as UTF-8 or escape both halves"
+                ) from None
+            except ValueError:  # json's only other one: an integer past Python's digit limit
+                raise UserError(
+                    f"{path}:{lineno}: a number with too many digits to read; quote it as a string"
+                ) from None
             for key in (input_key, label_key):
                 if not isinstance(record, dict) or key not in record:
                     raise UserError(f"{path}:{lineno}: missing key {key!r} (set {key_flags})")
@@ -135,7 +150,8 @@ def load_parquet(
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for corrupt files
-        raise UserError(f"{path}: not a readable Parquet file ({exc})") from None
+        reason = " ".join(str(exc).split())  # pyarrow's messages can span lines
+        raise UserError(f"{path}: not a readable Parquet file ({reason})") from None
     prompts = []
     for i, (text, label) in enumerate(zip(table[input_key], table[label_key], strict=True)):
         where = f"{path}: row {i}"
