@@ -492,3 +492,17 @@ def test_metrics_and_plot_are_where_the_readme_says(demo):
     png = claim(r"`mileage plot runs/demo` draws them into `([^`]+)`")[1]
     assert demo["plotted"].returncode == 0, demo["plotted"].stderr
     assert (demo["cwd"] / png).stat().st_size > 0
+
+
+def test_no_internal_session_numbers_in_docs_or_code():
+    """A reader cannot know what an internal session number was: name commits and dates."""
+    pattern = re.compile(r"\bsessions? \d+", re.I)
+    found = []
+    for path in sorted(REPO.rglob("*")):
+        parts = path.relative_to(REPO).parts
+        if path.suffix not in {".md", ".py", ".sh", ".toml"} or parts[0].startswith("."):
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if pattern.search(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()[:80]}")
+    assert found == []
