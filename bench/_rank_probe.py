@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mileage import components, loop  # noqa: E402
+from mileage import build, loop  # noqa: E402
 from mileage.checkpoint.writer import CheckpointWriter  # noqa: E402
 from mileage.cli import train as train_cli  # noqa: E402
 from mileage.cli.main import main  # noqa: E402
@@ -69,7 +69,7 @@ CheckpointWriter.save = phase(timed(CheckpointWriter.save, "save_s"), "save")
 ShardedCheckpointWriter.save = phase(timed(ShardedCheckpointWriter.save, "save_s"), "save")
 loop.restore = timed(loop.restore, "restore_s")
 setup.shard_run_models = phase(setup.shard_run_models, "load+shard")
-components._load = phase(components._load, "load")
+build._load = phase(build._load, "load")
 train_cli.build_run = phase(train_cli.build_run, "build")
 OnPolicySource.draw = phase(OnPolicySource.draw, "generate")
 Actor.train_rollout = phase(Actor.train_rollout, "train")

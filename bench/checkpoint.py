@@ -11,7 +11,7 @@ SmolLM2-135M: fp32 weights + AdamW, ~1.7 GB. Per repetition, in one directory (o
                     store.file_sha256, wrapped). async: the time the loop is blocked in
                     writer.save() vs until writer.wait() returns (the main thread idles here)
     torch.save      the same CheckpointState fields in one file, fsync after
-    mileage load    as a resume: components._load_weights + restore, into an empty model and a
+    mileage load    as a resume: build.load_weights + restore, into an empty model and a
                     fresh AdamW after configure_determinism; "+verify" re-hashes every file first
     torch.load      `weights_only=True` of the torch.save file
 Writes (rotating order) each follow `sync` + a --settle pause; loads (rotating order) read a

@@ -75,7 +75,8 @@ def traced_main(trace: str, argv: list[str]) -> int:
     mark("python")
     import mileage.cli.main as cli
     import mileage.cli.train as train
-    from mileage import components, loop
+    from mileage import build, components, loop
+    from mileage.checkpoint import store
 
     mark("imported")
 
@@ -96,11 +97,11 @@ def traced_main(trace: str, argv: list[str]) -> int:
         (train, "build_run", "build_run"),
         (components, "ensure_builtin_model", "builtin"),
         (components, "load_tokenizer", "tokenizer"),
-        (components, "_load_weights", "model"),
-        (components, "load_causal_lm", "hf load"),
-        (components, "verify_checkpoint", "verify"),
-        (components, "empty_causal_lm", "empty model"),
-        (components, "load_model_weights", "dcp weights"),
+        (build, "load_weights", "model"),
+        (build, "load_causal_lm", "hf load"),
+        (store, "verify_checkpoint", "verify"),  # called by require_intact, in store
+        (build, "empty_causal_lm", "empty model"),
+        (build, "load_model_weights", "dcp weights"),
         (loop, "restore", "restore"),
         (components, "load_optimizer_tensors", "optimizer load"),
     ):

@@ -11,6 +11,13 @@ from pathlib import Path
 
 import torch
 
+from mileage.build import (
+    checkpoint_writer,
+    load_policy,
+    plan_sources,
+    rollout_engine,
+    verify_sources,
+)
 from mileage.checkpoint.meta import (
     checkpoint_meta,
     model_source,
@@ -25,31 +32,25 @@ from mileage.checkpoint.registry import CRITIC, DATA, RUN, Recorded, StateRegist
 from mileage.checkpoint.store import (
     TRAINER_STATE,
     CheckpointState,
-    CheckpointWriteError,
     read_json,
-    require_intact,
 )
 from mileage.checkpoint.tensors import (
-    load_model_weights,
     load_optimizer_tensors,
     load_rng_tensors,
     optimizer_tensors,
 )
 from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
-from mileage.distributed.checkpoint import ShardedCheckpointWriter, rng_of_this_rank
+from mileage.distributed.checkpoint import rng_of_this_rank
 from mileage.distributed.coordination import stop_together
-from mileage.distributed.setup import distribute_run, load_on_rank0
+from mileage.distributed.setup import distribute_run
 from mileage.metrics import MetricsLog
 from mileage.models.hf import (
-    empty_causal_lm,
-    load_causal_lm,
     load_tokenizer,
     read_config_json,
 )
 from mileage.models.lora import MergedView, adapter_tensors
 from mileage.models.tensors import model_tensors
-from mileage.precision import set_precision
 from mileage.preflight import Preflight
 from mileage.progress import restored_line
 from mileage.rollout.agent import DEFAULT_CONTEXT, Agent
@@ -68,7 +69,6 @@ from mileage.rollout.dynamic import (
 )
 from mileage.rollout.engine import SamplingParams
 from mileage.rollout.engines.base import Engine
-from mileage.rollout.engines.factory import build_engine
 from mileage.rollout.journal import JOURNAL_DIR, ToolJournal
 from mileage.rollout.rewards import RewardFn
 from mileage.rollout.rollout import PromptEncoder
@@ -83,8 +83,8 @@ from mileage.training.critic import (
     critic_checkpoint_state,
     restore_critic_optimizer,
 )
-from mileage.training.lora import LoraPolicy, build_lora_policy, refuse_adapter_without_lora
-from mileage.training.lora_sync import AdapterSyncEngine, MergedWeightsEngine, takes_adapters
+from mileage.training.lora import LoraPolicy
+from mileage.training.lora_sync import takes_adapters
 from mileage.training.optimizer import build_optimizer, build_schedule
 
 
@@ -126,69 +126,6 @@ class Run:
         return next(self.model.parameters()).device
 
 
-def verify_sources(sources: list[tuple[str | None, str | None]]) -> None:
-    """Every native checkpoint among (path, format) `sources`, each verified once as a whole
-    (`store.require_intact`) before any of its parts loads: the loaders after it trust the bytes."""
-    seen = set()
-    for path, fmt in sources:
-        if path and fmt == "native" and Path(path).resolve() not in seen:
-            seen.add(Path(path).resolve())
-            require_intact(path)
-
-
-def _plan_sources(plan: ResumePlan, reference: tuple[str | None, str | None]) -> list:
-    """What a run reads: the plan's weights (a resume: also its optimizer, RNG, trainer state,
-    buffer and kept old actors), the reference or LoRA base, and PPO's critic checkpoint."""
-    critic = (plan.critic_from, "native") if plan.critic else (None, None)
-    return [(plan.weights_from, plan.weights_format), reference, critic]
-
-
-def _load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
-    """The weights at `path`; a native checkpoint must have passed `verify_sources` first."""
-    if fmt == "hf":
-        return load_causal_lm(path)
-    model = empty_causal_lm(config_dir)
-    load_model_weights(path, model)
-    return model
-
-
-def _load(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
-    """The weights at `path`; under torchrun only rank 0 reads them (`load_on_rank0`)."""
-    if not env.is_distributed():
-        return _load_weights(path, fmt, config_dir)
-    return load_on_rank0(lambda: _load_weights(path, fmt, config_dir), config_dir)
-
-
-def _hf_exporter(template: str | None, config_dir: str, log):
-    """`--save-hf`: after each commit, export the committed weights as an HF directory."""
-    if not template:
-        return None
-    from mileage.checkpoint.hf_export import export_hf
-
-    def export(rollout_id: int, checkpoint) -> None:
-        out = template.format(rollout_id=rollout_id)
-        try:
-            export_hf(checkpoint, config_dir, out)
-        except OSError as exc:
-            raise CheckpointWriteError(f"--save-hf: writing {out} failed: {exc}") from None
-        log(f"exported HF weights of rollout {rollout_id} to {out}")
-
-    return export
-
-
-def _on_commit(export, journal: ToolJournal):
-    """After a checkpoint of rollout N commits: the --save-hf export, then the tool journal
-    drops slots <= N (a resume starts after N, so nothing generates them again)."""
-
-    def committed(rollout_id: int, checkpoint) -> None:
-        if export is not None:
-            export(rollout_id, checkpoint)
-        if env.is_main():
-            journal.prune(rollout_id + 1)
-
-    return committed
-
-
 def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     plan, flags = pre.plan, pre.flags
     configure_determinism(cfg.loop.seed, cfg.loop.num_threads)
@@ -202,49 +139,10 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     if cfg.lora.enabled or cfg.algo.needs_reference:  # a LoRA base is the reference's source
         ref_path, ref_fmt = reference_source(flags, gather_disk_state(flags, None))
     # the one integrity check of everything this run restores, before anything loads
-    sources = _plan_sources(plan, (ref_path, ref_fmt))
+    sources = plan_sources(plan, (ref_path, ref_fmt))
     stop_together(lambda: verify_sources(sources) if env.is_main() else None)
-    reference, lora = None, None
-    if cfg.lora.enabled:
-        lora = build_lora_policy(
-            cfg.lora,
-            cfg.loop.seed,
-            (plan.weights_from, plan.weights_format),
-            (ref_path, ref_fmt),
-            plan.action == RESUME,
-            lambda path, fmt: _load_weights(path, fmt, config_dir),
-            log,
-        )
-        model = lora.model
-        if cfg.algo.needs_reference:
-            reference = lora.reference()
-            log(f"reference model: the base {lora.base['path']} (adapter disabled)")
-    else:
-        refuse_adapter_without_lora(plan.weights_from, plan.weights_format)
-        model = _load(plan.weights_from, plan.weights_format, config_dir)
-    # every copy made from here on (critic body, generation copy) inherits the precision
-    set_precision(model, plan.precision, cfg.precision.fp32_lm_head)
-    if cfg.algo.needs_reference and lora is None:
-        reference = _load(ref_path, ref_fmt, config_dir).requires_grad_(False)
-        set_precision(reference, plan.precision)
-        log(f"reference model: {ref_path} ({ref_fmt})")
-    if not env.is_distributed():
-        # one process: the GPU whenever --device allows it (torchrun ranks move in shard_model)
-        model.to(env.device())
-        if reference is not None:
-            reference.to(env.device())
-    eos = tokenizer.eos_token_id
-    engine = None
-    if not cfg.rollout.load_debug_rollout_data:
-        engine = build_engine(cfg.engine, model, tokenizer.pad_token_id, eos, config_dir, log)
-        if lora is not None and not engine.in_process and not env.is_distributed():
-            # the adapter alone where the engine takes adapters, else merged weights (under
-            # torchrun: distributed/lora_remote.py, once the policy is sharded)
-            engine = (
-                AdapterSyncEngine(engine, lora, config_dir, cfg.lora.lora_sync_from_tensor, log)
-                if takes_adapters(engine)
-                else MergedWeightsEngine(engine, lora, config_dir, log)
-            )
+    model, reference, lora = load_policy(cfg, plan, (ref_path, ref_fmt), config_dir, log)
+    engine = rollout_engine(cfg, model, tokenizer, lora, config_dir, log)
     # PPO: the critic starts from the actor's loaded weights (a LoRA actor's merged), so it is
     # copied before sharding
     value_model = None
@@ -308,15 +206,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     # the tool journal of multi-turn runs; a committed checkpoint prunes what it made redundant
     journal = ToolJournal(Path(cfg.checkpoint.save) / JOURNAL_DIR if cfg.checkpoint.save else None)
     metrics_dir = cfg.checkpoint.save if env.is_main() else None  # rank 0 logs for all
-    writer = None
-    if cfg.checkpoint.save:
-        writer = (ShardedCheckpointWriter if env.is_distributed() else CheckpointWriter)(
-            cfg.checkpoint.save,
-            cfg.checkpoint.save_keep_last,
-            cfg.checkpoint.async_save,
-            on_commit=_on_commit(_hf_exporter(cfg.checkpoint.save_hf, config_dir, log), journal),
-            schedule=cfg.checkpoint.schedule(plan.num_rollout, env.any_rank),
-        )
+    writer = checkpoint_writer(cfg, plan.num_rollout, journal, config_dir, log)
     encode = PromptEncoder(tokenizer, cfg.data.apply_chat_template)
     model_config = read_config_json(config_dir)
     agent = Agent(

@@ -1673,7 +1673,7 @@ MUTANTS = [
     Mutant(
         "run-ignores-fp32-lm-head",
         "a run builds its policy without the fp32 LM head it planned",
-        "mileage/components.py",
+        "mileage/build.py",
         "    set_precision(model, plan.precision, cfg.precision.fp32_lm_head)\n",
         "    set_precision(model, plan.precision)\n",
         ("tests/test_lm_head.py::test_a_bf16_run_builds_its_policy_with_the_switch_and_says_so",),

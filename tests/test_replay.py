@@ -34,12 +34,12 @@ def test_replayed_run_reproduces_the_original_weights(
     saved = json.loads((tmp_path / "rollouts" / "rollout_0.json").read_text())["samples"]
     assert len({s["reward"] for s in saved}) > 1, "rewards must vary for the replay to matter"
 
-    import mileage.components
+    import mileage.build
 
     def no_engine(*a, **k):
         raise AssertionError("the generation engine must not be built when replaying")
 
-    monkeypatch.setattr(mileage.components, "build_engine", no_engine)
+    monkeypatch.setattr(mileage.build, "build_engine", no_engine)
     code = main(
         ["train", *map(str, args), "--save", str(replay), "--load-debug-rollout-data", template]
     )

@@ -245,8 +245,8 @@ def _precision(cfg, meta: dict) -> str:
 def _policy(checkpoint: Path, config_dir: str, native: bool, log):
     """(the model training generated with, the checkpoint's meta.json or {} for an HF
     directory); a native checkpoint (and a LoRA checkpoint's native base) is verified first."""
+    from mileage.build import load_weights, verify_sources
     from mileage.checkpoint.meta import recorded_lora
-    from mileage.components import _load_weights, verify_sources
     from mileage.models.hf import load_causal_lm
 
     if not native:
@@ -258,7 +258,7 @@ def _policy(checkpoint: Path, config_dir: str, native: bool, log):
 
         sources.append(recorded_base(str(checkpoint), lora))
     verify_sources(sources)
-    load = lambda path, fmt: _load_weights(path, fmt, config_dir)  # noqa: E731
+    load = lambda path, fmt: load_weights(path, fmt, config_dir)  # noqa: E731
     if lora is not None:
         model = restore_recorded_policy(str(checkpoint), load, log).model
     else:
