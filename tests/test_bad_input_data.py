@@ -93,3 +93,15 @@ def test_a_config_field_of_the_wrong_type_is_one_line(
     model = model_with(tiny_hf, tmp_path, **{field: value})
     line = one_line_error(capsys, ["plan", "--hf-checkpoint", model])
     assert f"{model / 'config.json'}: " in line and expected in line, line
+
+
+def test_a_utf8_bom_at_the_start_of_a_jsonl_file_is_read_past(tmp_path):
+    """Windows editors save UTF-8 with a BOM; JSON itself has none, so it is read past."""
+    from mileage.rollout.prompts import load_jsonl
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(
+        b'\xef\xbb\xbf{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n'
+    )
+    prompts = load_jsonl(str(path), "prompt", "label")
+    assert [(p.text, p.label) for p in prompts] == [("1+1=", "2"), ("2+2=", "4")]

@@ -88,6 +88,8 @@ def load_jsonl(
     with file.open("rb") as handle:
         for lineno, raw in enumerate(handle, start=1):
             line = decoded(raw, path, lineno)
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # the BOM some Windows editors write
             if not line.strip():
                 continue
             try:
