@@ -183,8 +183,10 @@ def test_n2_train_async_equals_one_process_and_resumes_bit_for_bit(
         for key in ("prompt_indices", "reward_mean", "accuracy", "response_len"):
             assert ours[key] == theirs[key], key
         # the training on them: one process's up to the summation order, as test_distributed
+        # (ppo_kl is 0 up to rounding at a rollout's first step: its absolute floor is the
+        # summation noise of token log-probs near 1e-8, which tool turns make visible)
         for key in ("grad_norm", "entropy", "ppo_kl", "logprob_abs_diff"):
-            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-9), key
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), key
     # and the weights, to test_distributed's fp32 tolerance
     for rollout_id in (0, 1):
         mine = load_tensors(checkpoint_path(reference, rollout_id) / MODEL_DIR)

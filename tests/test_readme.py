@@ -283,6 +283,10 @@ def test_the_verifiers_example_loads_as_docs_verifiers_runs_it(monkeypatch):
     (command,) = [c for _, _, body, needs in doc_blocks() if "extra verifiers" in needs
                   for c in shell_commands(body) if "PYTHONPATH=examples" in c]  # fmt: skip
     assert "examples/vf_addition.py" in text
+    # tests/test_verifiers.py imports a small module of the same name: on a shared xdist worker
+    # sys.modules (and the loader's cache) would hand its 40 tasks to this test
+    monkeypatch.delitem(sys.modules, "vf_addition", raising=False)
+    load_tasks.cache_clear()
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     train = load_tasks(parse_verifiers_spec(command[command.index("--prompt-data") + 1]))
     held_spec = command[command.index("--eval-prompt-data") + 2]

@@ -37,6 +37,7 @@ from mileage.preemption import STOPPED_EXIT
 from mileage.testing.kills import (
     COMMITTED_SAVE_POINTS,
     PPO_SAVE_POINTS,
+    RENAMED_SAVE_POINTS,
     Kill,
     Launch,
     Outcome,
@@ -289,7 +290,7 @@ def _observe(kill: Kill, run: Launch, save_dir: Path, num_rollout: int | None) -
         run,
         tracker=tracker,
         logged=logged,
-        rollout=_hit_rollout(kill, _committed(save_dir, tracker), logged, num_rollout),
+        rollout=_hit_rollout(kill, save_dir, tracker, logged, num_rollout),
         expected_start=_expected_start(save_dir, tracker),
     )
     if tracker is not None:
@@ -370,12 +371,16 @@ def _last_logged(save_dir: Path) -> int | None:
 
 
 def _hit_rollout(
-    kill: Kill, tracker: int | None, logged: int | None, num_rollout: int | None
+    kill: Kill, save_dir: Path, tracker: int | None, logged: int | None, num_rollout: int | None
 ) -> int:
-    committed = -1 if tracker is None else tracker
+    resumed_from = _committed(save_dir, tracker)
+    committed = -1 if resumed_from is None else resumed_from
     first_unlogged = 0 if logged is None else logged + 1
     if kill.point in COMMITTED_SAVE_POINTS:
         return committed
+    if kill.point in RENAMED_SAVE_POINTS:  # the checkpoint being saved is complete on disk
+        state = scan_dir(save_dir)
+        return state.complete_ids[-1] if state is not None and state.complete_ids else committed
     if kill.point in PPO_SAVE_POINTS:
         return committed + 1
     if kill.point == "after_metrics":

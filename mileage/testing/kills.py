@@ -32,6 +32,8 @@ SAVE_POINTS = (
 
 # reached after the tracker has moved: the checkpoint being saved is committed
 COMMITTED_SAVE_POINTS = ("commit_after_tracker", "save_after_prune")
+# between a checkpoint's rename and its tracker's move: the checkpoint is complete, untracked
+RENAMED_SAVE_POINTS = ("commit_after_rename", "commit_before_tracker", "tracker_before_replace")
 
 
 # `mileage train-async` only: in the generation thread while the trainer trains (slot N+1
