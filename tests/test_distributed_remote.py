@@ -44,16 +44,20 @@ ARGS = [
     "--rollout-engine", "sglang",
     "--rollout-timeout", "30",
     "--rollout-sync-timeout", "60",
-    # multi-turn with a tool: rank 0 runs the rollouts, tools included, and shares the samples
+]  # fmt: skip
+# multi-turn with a tool: rank 0 runs the rollouts, tools included, and shares the samples
+# (`distributed.remote.where_driven`); train-async's rank 0 threads did so before it
+TOOL_ARGS = [
     "--generate-execute-tool-function-path", f"{TOOLS}:tool_counted",
     "--generate-tool-call-parser", "odd_digit",
     "--generate-max-turns", "2",
 ]  # fmt: skip
 
 
-def args_for(urls: list[str], num_rollout: int) -> list[str]:
+def args_for(urls: list[str], num_rollout: int, tools: bool = True) -> list[str]:
     return [
         *ARGS,
+        *(TOOL_ARGS if tools else []),
         *[f for u in urls for f in ("--rollout-url", u)],
         "--num-rollout",
         str(num_rollout),
@@ -162,7 +166,7 @@ def test_n2_train_async_equals_one_process_and_resumes_bit_for_bit(
     from mileage.checkpoint.tensors import MODEL_DIR, load_tensors
 
     # fp32 training: the comparison with one process is then to the summation order alone
-    async_args = [*args_for(servers, 3), "--precision", "fp32"]
+    async_args = [*args_for(servers, 3, tools=False), "--precision", "fp32"]
     reference = tmp_path / "n2"
     run_uninterrupted(
         async_args,
@@ -177,16 +181,14 @@ def test_n2_train_async_equals_one_process_and_resumes_bit_for_bit(
     assert [r["staleness_max"] for r in records] == [0, 1, 1]
 
     single = tmp_path / "n1"
-    single_args = [*args_for(servers, 2), "--precision", "fp32"]
+    single_args = [*args_for(servers, 2, tools=False), "--precision", "fp32"]
     run_uninterrupted(single_args, single, timeout=600, subcommand="train-async")
     for ours, theirs in zip(read_metrics(reference)[:2], read_metrics(single), strict=True):
         for key in ("prompt_indices", "reward_mean", "accuracy", "response_len"):
             assert ours[key] == theirs[key], key
         # the training on them: one process's up to the summation order, as test_distributed
-        # (ppo_kl is 0 up to rounding at a rollout's first step: its absolute floor is the
-        # summation noise of token log-probs near 1e-8, which tool turns make visible)
         for key in ("grad_norm", "entropy", "ppo_kl", "logprob_abs_diff"):
-            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), key
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-9), key
     # and the weights, to test_distributed's fp32 tolerance
     for rollout_id in (0, 1):
         mine = load_tensors(checkpoint_path(reference, rollout_id) / MODEL_DIR)
