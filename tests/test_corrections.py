@@ -5,6 +5,7 @@ loss mask (and so the loss denominator)."""
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -109,6 +110,31 @@ def test_choosing_a_correction_without_use_tis_is_refused():
         mm.MismatchConfig(tis_mode="mask").validate()
     with pytest.raises(UserError, match="--custom-tis-function-path: cannot import"):
         mm.MismatchConfig(use_tis=True, custom_tis_function_path="nosuch.fn").validate()
+
+
+def test_a_custom_tis_function_is_named_when_it_raises_or_returns_the_wrong_thing(tmp_path):
+    """--custom-tis-function-path goes through the hook boundary like every user function: what
+    it raises is one line naming the flag, and its return is checked before it weights a loss."""
+    module = tmp_path / "tis_fns.py"
+    module.write_text(
+        "import torch\n"
+        "def boom(cfg, trainer, rollout, mask):\n    raise RuntimeError('no')\n"
+        "def scalar(cfg, trainer, rollout, mask):\n    return 1.0\n"
+        "def nan(cfg, trainer, rollout, mask):\n"
+        "    return mask * float('nan'), mask, {}\n"
+        "def good(cfg, trainer, rollout, mask):\n    return mask, mask, {'w': 1.0}\n"
+    )
+    mask = torch.ones(2, 3)
+    for name, message in (
+        ("boom", "--custom-tis-function-path"),
+        ("scalar", "returned float; expected (weights tensor"),
+        ("nan", "returned weights that are not all finite"),
+    ):
+        cfg = mm.MismatchConfig(use_tis=True, custom_tis_function_path=f"{module}:{name}")
+        with pytest.raises(UserError, match=re.escape(message)):
+            mm.load_tis_function(cfg)(cfg, mask, mask, mask)
+    cfg = mm.MismatchConfig(use_tis=True, custom_tis_function_path=f"{module}:good")
+    assert mm.load_tis_function(cfg)(cfg, mask, mask, mask)[2] == {"w": 1.0}
 
 
 def test_the_corrections_run_in_train(cli, builtin_model, tmp_path):

@@ -135,8 +135,26 @@ def load_tis_function(cfg: MismatchConfig) -> TisFunction | None:
             t, e, m, level="token", mode=mode, low=c.tis_clip_low, high=c.tis_clip
         )
     from mileage.rollout.dynamic import load_function
+    from mileage.rollout.userfn import Hook, named_in_thread
 
-    return load_function(path, "--custom-tis-function-path")
+    fn = load_function(path, "--custom-tis-function-path")
+    # what it raises (sys.exit too) is named with its flag, and its return is checked
+    return named_in_thread(fn, Hook("TIS function", "--custom-tis-function-path"), tis_problem)
+
+
+def tis_problem(out: object) -> str | None:
+    """Why a TIS function's return is not (weights, kept mask, dict of metrics)."""
+    if (
+        isinstance(out, tuple)
+        and len(out) == 3
+        and all(isinstance(t, torch.Tensor) for t in out[:2])
+        and out[0].shape == out[1].shape
+        and isinstance(out[2], dict)
+    ):
+        if not bool(torch.isfinite(out[0]).all()):
+            return "weights that are not all finite"
+        return None
+    return f"{type(out).__name__}; expected (weights tensor, kept-mask tensor of its shape, dict)"
 
 
 @torch.no_grad()
