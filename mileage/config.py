@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -50,11 +51,26 @@ def int64(text: str) -> int:
     return value
 
 
+def timeout_seconds(text: str) -> float:
+    """argparse type of every `*_timeout` float flag: seconds a wait can be given (positive, at
+    most the longest wait Python's threading and sockets take; more raised OverflowError
+    mid-run)."""
+    value = finite_float(text)
+    if not 0 < value <= threading.TIMEOUT_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds above 0 and at most {threading.TIMEOUT_MAX:g} (the longest wait "
+            f"Python can make), got {text!r}"
+        )
+    return value
+
+
 # the argparse type each annotated type parses with (others parse with the type itself)
 PARSERS: dict[Any, Callable[[str], Any]] = {float: finite_float, int: int64}
 
 
-def _parser_of(kind: Any) -> Callable[[str], Any]:
+def _parser_of(kind: Any, name: str = "") -> Callable[[str], Any]:
+    if kind is float and name.endswith("_timeout"):
+        return timeout_seconds
     return PARSERS.get(kind, kind)
 
 
@@ -139,7 +155,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
         group.add_argument(
             name,
             dest=field.name,
-            type=_parser_of(kind),
+            type=_parser_of(kind, field.name),
             default=default,
             choices=field.metadata.get("choices"),
             help=field.metadata["help"],

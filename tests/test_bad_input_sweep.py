@@ -204,8 +204,19 @@ TOO_LARGE = [
     ),
     (["--num-threads", 100000], "--num-threads 100000 is more than 4 threads per CPU", "CPU"),
     (["--seed", 2**70], "argument --seed: 1180591620717411303424 does not fit", "64-bit"),
-    (["--hook-timeout", "1e300"], "--hook-timeout must be positive and at most", "longest wait"),
-    (["--tool-timeout", "1e300"], "--tool-timeout must be at most", "longest wait"),
+    # every *_timeout flag: seconds a wait can be given (more raised OverflowError mid-run)
+    (
+        ["--hook-timeout", "1e300"],
+        "argument --hook-timeout: expected seconds above 0",
+        "longest wait",
+    ),
+    (
+        ["--tool-timeout", "1e300"],
+        "argument --tool-timeout: expected seconds above 0",
+        "longest wait",
+    ),
+    (["--rollout-timeout", 2**70], "argument --rollout-timeout: expected seconds", "longest wait"),
+    (["--rm-timeout", "0"], "argument --rm-timeout: expected seconds above 0", "got '0'"),
 ]
 
 
