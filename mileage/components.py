@@ -104,7 +104,6 @@ class Run:
     metrics: MetricsLog
     model_config: dict
     model_source: dict  # what meta.json records the run was trained from
-    wandb_run_id: str | None  # kept in the trainer state, so a resumed run continues the W&B run
     lora: LoraPolicy | None = None  # --lora-rank: the model is the base with a PEFT adapter
     # the rollout buffer, saved with the data position: dynamic sampling's groups kept beyond
     # a rollout's batch, or train-async's groups generated ahead
@@ -226,7 +225,8 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     parts.register("data", data, DATA)
     if critic is not None:
         parts.register("critic", critic, CRITIC)  # its tensors: critic/ of the checkpoint
-    if wandb_run_id:  # only then: runs without W&B keep byte-identical trainer states
+    if wandb_run_id:  # in the trainer state, so a resumed run continues the W&B run (only
+        # then: runs without W&B keep byte-identical trainer states)
         parts.register("tracking", Recorded({"wandb_run_id": wandb_run_id}))
     if buffer is not None:  # dynamic sampling's kept groups belong to the data position
         parts.register(STATE_KEY, buffer, DATA)
@@ -254,7 +254,6 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         model_source=model_source(
             config_dir, None if cfg.checkpoint.hf_checkpoint else cfg.data.builtin_task
         ),
-        wandb_run_id=wandb_run_id,
         lora=lora,
         buffer=buffer,
         group_filter=pre.group_filter,

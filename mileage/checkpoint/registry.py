@@ -7,7 +7,7 @@ A part restores with a group of the plan: "run" parts on every resume (the actor
 "data" parts with the data position (the data source, and the rollout buffers whose groups
 hold prompts it already handed out), "critic" parts when the plan restores the critic. The
 bytes a part loads were verified with the whole checkpoint before anything loaded
-(`components.verify_sources`). Tensor parts (weights, optimizer, RNG, kept old weights) have
+(`build.verify_sources`). Tensor parts (weights, optimizer, RNG, kept old weights) have
 files of their own, written and verified by `checkpoint.store`.
 """
 
@@ -50,16 +50,13 @@ class StateRegistry:
             raise ValueError(f"checkpoint part {key!r} registered twice")
         self._parts[key] = (part, restores_with)
 
-    def keys(self) -> list[str]:
-        return list(self._parts)
-
     def state_dict(self) -> dict[str, Any]:
         """Every part's state, in registration order."""
         return {key: part.state_dict() for key, (part, _) in self._parts.items()}
 
     def load_state_dict(self, state: dict[str, Any], groups: set[str], where: str) -> None:
         """Restore the parts of `groups` from a checkpoint's trainer `state` (read from
-        `where`); a part the checkpoint lacks is refused, except optional ones (`optional`)."""
+        `where`); a part the checkpoint lacks is refused, unless it is `optional_in_checkpoint`."""
         for key, (part, group) in self._parts.items():
             if group not in groups or isinstance(part, Recorded):
                 continue

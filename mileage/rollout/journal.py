@@ -133,21 +133,28 @@ class ToolJournal:
                 os.close(fd)
 
     def check(self) -> None:
-        """Read every slot's file now, so a damaged one stops the run before it trains."""
+        """Read every slot's file now (kept for the lookups), so a damaged one stops the run
+        before it trains."""
         with self._lock:
-            for path in sorted(self.directory.glob("slot_*.jsonl")) if self.directory else ():
-                read_entries(path)
+            for slot in sorted(self._slots()):
+                self._entries(slot)
 
     def prune(self, below: int) -> None:
         """Delete the entries of slots < `below` (they are in a committed checkpoint's past)."""
         with self._lock:
             self._loaded = {s: e for s, e in self._loaded.items() if s >= below}
-            if self.directory is None or not self.directory.is_dir():
-                return
-            for path in self.directory.glob("slot_*.jsonl"):
-                try:
-                    slot = int(path.stem.removeprefix("slot_"))
-                except ValueError:
-                    continue
+            for slot in self._slots():
                 if slot < below:
-                    path.unlink(missing_ok=True)
+                    self._path(slot).unlink(missing_ok=True)
+
+    def _slots(self) -> list[int]:
+        """The slots that have a file in the journal's directory."""
+        if self.directory is None or not self.directory.is_dir():
+            return []
+        slots = []
+        for path in self.directory.glob("slot_*.jsonl"):
+            try:
+                slots.append(int(path.stem.removeprefix("slot_")))
+            except ValueError:
+                continue
+        return slots
