@@ -52,6 +52,8 @@ DEMO_DEFAULTS = {
 # --prompt-data), and only to the flags not given.
 TASK_DEFAULTS = {tool_task.TASK: tool_task.RUN_DEFAULTS}
 # every flag some task sets (marked NotGiven in the parser, so a given one is never overridden)
+# a task's defaults that an --agent-function-path run does not take (the agent runs the tools)
+AGENT_REPLACES = ("generate_execute_tool_function_path", "generate_max_turns")
 TASK_DEFAULTS_ALL = sorted({name for flags in TASK_DEFAULTS.values() for name in flags})
 
 
@@ -95,6 +97,9 @@ def _apply_demo_defaults(ns: argparse.Namespace) -> tuple[dict, dict]:
                 applied[name] = demo_value
             else:
                 kept[name] = value.value
+    if getattr(ns, "agent_function_path", None):
+        # the agent calls the task's tool itself: the built-in tool loop is not the run's
+        task = {k: v for k, v in task.items() if k not in AGENT_REPLACES}
     for name in TASK_DEFAULTS_ALL:
         value = getattr(ns, name, None)
         if isinstance(value, NotGiven):

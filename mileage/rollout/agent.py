@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from mileage.errors import UserError
+from mileage.rollout.agents.endpoint import AgentEndpoint
+from mileage.rollout.agents.session import AgentLimits, AgentRollout, load_agent
+from mileage.rollout.agents.trajectory import Renderer
 from mileage.rollout.client import TokenClient, TurnBatcher
 from mileage.rollout.engines.base import Engine, SamplingParams
 from mileage.rollout.journal import ToolJournal
@@ -64,6 +67,7 @@ class UserFunctions:
     """The multi-turn user code, loaded and checked in preflight (before anything is written)."""
 
     generate: Callable | None = None  # --custom-generate-function-path, or the tool loop
+    agent: Callable | None = None  # --agent-function-path (mileage.rollout.agents)
     rollout: Callable | None = None  # --rollout-function-path
     tool_specs: list[dict[str, Any]] | None = None
     tool_format: ToolFormat | None = None
@@ -82,6 +86,8 @@ def load_user_functions(
         require_signature(out.generate, flag, 3, GENERATE_SHAPE, coroutine=True)
     elif cfg.generate_execute_tool_function_path:
         out.generate = tool_loop
+    if cfg.agent_function_path:
+        out.agent = load_agent(cfg.agent_function_path)
     if cfg.generate_execute_tool_function_path:
         flag = "--generate-execute-tool-function-path"
         tool = load_function(cfg.generate_execute_tool_function_path, flag)
@@ -127,23 +133,22 @@ class Agent:
         self.journal = journal if isinstance(journal, ToolJournal) else ToolJournal(journal)
         path = self.cfg.generate_execute_tool_function_path
         self.pool = ToolPool(path, self.cfg.tool_timeout, self.cfg.tool_workers) if path else None
+        # the agents' OpenAI-compatible endpoint, started by the first agent rollout
+        self.endpoint = AgentEndpoint() if user.agent is not None else None
 
     @property
     def multi_turn(self) -> bool:
-        return self.user.generate is not None
+        return self.user.generate is not None or self.user.agent is not None
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         tools = prompt.tools if prompt.tools is not None else self.user.tool_specs
         return self.encode.prompt_ids(prompt, tools)
-
-    def score(self, samples: list[Sample], group_size: int) -> None:
-        rewards = score_samples(self.reward_fn, samples, self.config, group_size, self.group_rm)
-        for sample, reward in zip(samples, rewards, strict=True):
-            sample.reward = reward
 
     def generate(
         self,
@@ -159,12 +164,44 @@ class Agent:
         `single_turn()` generates them the single-turn way when no generate function is set."""
         if not self.multi_turn:
             samples = single_turn()
+        elif self.user.agent is not None:
+            samples = self._generate_agents(engine, prompts, params, n_samples, seed, rollout_id)
         else:
             samples = self._generate_multi_turn(
                 engine, prompts, params, n_samples, seed, rollout_id
             )
         self.score(samples, n_samples)
         return samples
+
+    def score(self, samples: list[Sample], group_size: int) -> None:
+        """Each sample's reward: an agent's own (or 0 for a failed agent), else the run's."""
+        given = [(s.reward, s.agent_stats) for s in samples]
+        rewards = score_samples(self.reward_fn, samples, self.config, group_size, self.group_rm)
+        for sample, reward, (own, stats) in zip(samples, rewards, given, strict=True):
+            agent_set = stats is not None and (stats["own_reward"] or sample.agent_failure)
+            sample.reward = own if agent_set else reward
+
+    def _generate_agents(self, engine, prompts, params, n_samples, seed, rollout_id):
+        """--agent-function-path: one black-box agent per sample against the endpoint."""
+        assert self.endpoint is not None and self.user.agent is not None and self.user.tool_format
+        inputs, labels, rows = [], [], []
+        for position, prompt in enumerate(prompts):
+            ids = self.prompt_ids(prompt)
+            for index in range(n_samples):
+                inputs.append(
+                    Sample(prompt, list(ids), [], [], "", 0.0, False, engine.weight_version)
+                )
+                labels.append(f"sample {position * n_samples + index} (prompt {prompt.index})")
+                rows.append((position, index))
+        limits = AgentLimits(
+            self.cfg.agent_timeout, self.cfg.agent_max_concurrency, self.context_len,
+            self.vocab_size,
+        )  # fmt: skip
+        rollout = AgentRollout(
+            self.user.agent, self.endpoint, Renderer(self.tokenizer, self.user.tool_format),
+            engine, params, seed, rollout_id, self.journal, limits,
+        )  # fmt: skip
+        return rollout.run(inputs, labels, rows)
 
     def _generate_multi_turn(self, engine, prompts, params, n_samples, seed, rollout_id):
         batcher = TurnBatcher(engine)
@@ -337,13 +374,24 @@ def tool_metrics(samples: list[Sample]) -> dict[str, float]:
     if not samples or all(s.stop_reason is None for s in samples):
         return {}
     calls = [c for s in samples for c in s.tool_calls]
+    # an agent runs its tools itself: the endpoint counts the calls it handed out
+    agent_calls = [s.agent_stats["tool_calls"] if s.agent_stats else 0.0 for s in samples]
     metrics = {
-        "rollout/tool_calls": float(len(calls)),
+        "rollout/tool_calls": float(len(calls)) + sum(agent_calls),
         "rollout/tool_errors": float(sum(c.status == TOOL_ERROR for c in calls)),
         "rollout/tool_timeouts": float(sum(c.status == TOOL_TIMEOUT for c in calls)),
         "rollout/mean_turns": sum(s.turns for s in samples) / len(samples),
-        "rollout/tool_use_rate": sum(bool(s.tool_calls) for s in samples) / len(samples),
+        "rollout/tool_use_rate": sum(
+            bool(s.tool_calls) or a > 0 for s, a in zip(samples, agent_calls, strict=True)
+        )
+        / len(samples),
     }
+    stats = [s.agent_stats for s in samples if s.agent_stats]
+    if stats:
+        for name in ("splits", "untrained_tokens", "diverged"):
+            metrics[f"rollout/agent_{name}"] = sum(st[name] for st in stats)
+        metrics["rollout/agent_segments"] = sum(st["segments"] for st in stats) / len(stats)
+        metrics["rollout/agent_failures"] = float(sum(bool(s.agent_failure) for s in samples))
     for reason in sorted({s.stop_reason for s in samples if s.stop_reason}):
         share = sum(s.stop_reason == reason for s in samples) / len(samples)
         metrics[f"rollout/stop_{reason}"] = share

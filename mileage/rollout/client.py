@@ -21,7 +21,7 @@ depend on timing.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,8 +60,15 @@ class TurnBatcher:
     (module docstring). Engine calls block the event loop: nothing else can run then anyway,
     since every live coroutine is waiting on the engine."""
 
-    def __init__(self, engine: Engine):
+    def __init__(
+        self,
+        engine: Engine,
+        on_batch: Callable[[list[_Request], list[Completion]], None] | None = None,
+    ):
         self.engine = engine
+        # called with each engine call's requests and completions before any is handed out
+        # (the agent journal records them there, as one line)
+        self.on_batch = on_batch
         self.pending: list[_Request] = []
         self.live = 0
         self.calls = 0  # engine calls made (batches)
@@ -70,6 +77,12 @@ class TurnBatcher:
         self.pending.append(request)
         self._schedule()
         return await request.future
+
+    async def request_many(self, requests: list[_Request]) -> list[TurnOutput]:
+        """Several requests of one sample at once (an agent's n > 1): in the same batch."""
+        self.pending.extend(requests)
+        self._schedule()
+        return list(await asyncio.gather(*(r.future for r in requests)))
 
     def _schedule(self) -> None:
         asyncio.get_running_loop().call_soon(self._flush_if_ready)
@@ -88,6 +101,8 @@ class TurnBatcher:
         for params, requests in groups.items():
             try:
                 completions = self._generate(params, requests)
+                if self.on_batch is not None:
+                    self.on_batch(requests, completions)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutines
                 for r in requests:
                     r.future.set_exception(exc)
@@ -100,27 +115,57 @@ class TurnBatcher:
         seeds = None if params.greedy else RowSeeds(tuple(r.seed for r in requests))
         return self.engine.generate([r.ids for r in requests], params, seeds)
 
-    def run(self, coroutines: list[Awaitable[Any]]) -> list[Any]:
+    def run(self, coroutines: list[Awaitable[Any]], max_live: int | None = None) -> list[Any]:
         """Run the coroutines (one per sample, in sample order) to completion; their results
-        in order. The first exception raised by one of them is raised here."""
+        in order. The first exception raised by one of them is raised here.
+
+        With `max_live`, at most that many run at once: the first `max_live` start, and each
+        one that finishes starts the next in sample order before any batch is sent, so the
+        batches are the same whatever finished first."""
+        waiting = list(coroutines)
+        waiting.reverse()
 
         async def main() -> list[Any]:
-            tasks = [asyncio.ensure_future(c) for c in coroutines]
-            self.live = len(tasks)
+            loop = asyncio.get_running_loop()
+            futures: list[asyncio.Future] = [loop.create_future() for _ in coroutines]
+            tasks: list[asyncio.Task] = []
+            limit = len(coroutines) if max_live is None else max(1, max_live)
 
-            def finished(_task: asyncio.Task) -> None:
+            def start_next() -> None:
+                index = len(tasks)
+                task = asyncio.ensure_future(waiting.pop())
+                tasks.append(task)
+                self.live += 1
+                task.add_done_callback(lambda t: finished(index, t))
+
+            def finished(index: int, task: asyncio.Task) -> None:
                 self.live -= 1
+                if waiting:
+                    start_next()  # before the check below: its first request joins the batch
+                if task.cancelled():
+                    futures[index].cancel()
+                elif task.exception() is not None:
+                    futures[index].set_exception(task.exception())
+                else:
+                    futures[index].set_result(task.result())
                 self._flush_if_ready()
 
-            for task in tasks:
-                task.add_done_callback(finished)
+            self.live = 0
+            while waiting and len(tasks) < limit:
+                start_next()
             try:
-                return await asyncio.gather(*tasks)
+                return await asyncio.gather(*futures)
             finally:
                 for task in tasks:
                     task.cancel()
 
-        return asyncio.run(main())
+        try:
+            return asyncio.run(main())
+        finally:
+            for coroutine in waiting:  # never started (the run failed first)
+                close = getattr(coroutine, "close", None)
+                if close is not None:
+                    close()
 
 
 def _turn_output(c: Completion) -> TurnOutput:

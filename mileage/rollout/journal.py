@@ -33,6 +33,7 @@ from mileage.errors import UserError
 
 JOURNAL_DIR = "tool_journal"
 CHECKSUM = "sha256"  # of the entry's other fields, as sorted-key JSON; absent in old journals
+BATCH = "batch"  # a line of several entries (an agent's completions of one engine call)
 
 
 def entry_checksum(entry: dict[str, Any]) -> str:
@@ -66,7 +67,9 @@ def read_entries(path: Path) -> dict[str, dict[str, Any]]:
                 "written); delete the file to call those tools again (their rollout is then not "
                 "the killed run's), or restore it from a copy"
             )
-        entries[entry["key"]] = entry
+        # a batch line holds one engine call's completions, written at once (all or none)
+        for item in entry.get(BATCH, [entry]):
+            entries[item["key"]] = item
     return entries
 
 
@@ -123,14 +126,36 @@ class ToolJournal:
             return  # a run without --save cannot resume: nothing would ever read it back
         with self._lock:
             self._entries(slot)[key] = entry
-            self.directory.mkdir(parents=True, exist_ok=True)
-            line = (json.dumps(entry, sort_keys=True) + "\n").encode()
-            fd = os.open(self._path(slot), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._append(slot, entry)
+
+    def _append(self, slot: int, entry: dict[str, Any]) -> None:
+        assert self.directory is not None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        fd = os.open(self._path(slot), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def get(self, slot: int, key: str) -> dict[str, Any] | None:
+        """The entry recorded under `key` in `slot` (None: none), for callers that compare the
+        request themselves (an agent's completions: mileage.rollout.agents.session)."""
+        with self._lock:
+            return self._entries(slot).get(key)
+
+    def record_batch(self, slot: int, entries: list[dict[str, Any]]) -> None:
+        """Append `entries` (each with a "key") as ONE fsynced line: a kill inside the write
+        loses all of them, so a rerun regenerates the engine call whole, as it was batched."""
+        if self.directory is None or not entries:
+            return
+        line_entry: dict[str, Any] = {BATCH: entries}
+        line_entry[CHECKSUM] = entry_checksum(line_entry)
+        with self._lock:
+            for entry in entries:
+                self._entries(slot)[entry["key"]] = entry
+            self._append(slot, line_entry)
 
     def check(self) -> None:
         """Read every slot's file now (kept for the lookups), so a damaged one stops the run

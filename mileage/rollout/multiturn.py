@@ -76,6 +76,20 @@ class MultiTurnConfig:
         "trajectory ends with reason tool_timeout (the run goes on)",
     )
     tool_workers: int = option(4, "tool calls run at once, each in its own worker process")
+    agent_function_path: str | None = option(
+        None,
+        "a black-box agent per sample: async def agent(base_url, api_key, sample) -> reward or "
+        "None, written against the OpenAI API; its calls generate on the run's engine and are "
+        "trained token for token (module.path:fn or path/to/file.py:fn; docs/agents.md)",
+    )
+    agent_max_concurrency: int | None = option(
+        None, "agents running at once at most (default: every sample of the rollout)"
+    )
+    agent_timeout: float = option(
+        600.0,
+        "seconds of its own one agent may run per sample (waits on the endpoint do not count); "
+        "past it the agent is cancelled and its sample ends with reason agent_timeout",
+    )
     rollout_max_context_len: int | None = option(
         None,
         "multi-turn: prompt + whole response (model and tool tokens) at most this many tokens "
@@ -84,7 +98,11 @@ class MultiTurnConfig:
 
     @property
     def multi_turn(self) -> bool:
-        return bool(self.custom_generate_function_path or self.generate_execute_tool_function_path)
+        return bool(
+            self.custom_generate_function_path
+            or self.generate_execute_tool_function_path
+            or self.agent_function_path
+        )
 
     def validate(self) -> None:
         if self.generate_max_turns <= 0:
@@ -98,6 +116,24 @@ class MultiTurnConfig:
             )
         if self.rollout_max_context_len is not None and self.rollout_max_context_len <= 0:
             raise UserError("--rollout-max-context-len must be positive")
+        if self.agent_timeout <= 0 or self.agent_timeout > threading.TIMEOUT_MAX:
+            raise UserError(
+                f"--agent-timeout must be positive and at most {threading.TIMEOUT_MAX:g} seconds, "
+                f"got {self.agent_timeout:g}"
+            )
+        if self.agent_max_concurrency is not None and self.agent_max_concurrency <= 0:
+            raise UserError("--agent-max-concurrency must be positive")
+        if self.agent_function_path:
+            for flag, value in (
+                ("--custom-generate-function-path", self.custom_generate_function_path),
+                ("--rollout-function-path", self.rollout_function_path),
+                ("--generate-execute-tool-function-path", self.generate_execute_tool_function_path),
+            ):
+                if value:
+                    raise UserError(
+                        f"--agent-function-path and {flag} both say how samples are generated; "
+                        "the agent calls its own tools (docs/agents.md): give one"
+                    )
         if self.custom_generate_function_path and self.rollout_function_path:
             raise UserError(
                 "--custom-generate-function-path and --rollout-function-path both replace how "
@@ -193,21 +229,40 @@ def template_tool_ids(
         {"role": "tool", "tool_call_id": f"call_{i}", "name": c.name, "content": out}
         for i, (c, out) in enumerate(zip(calls, outputs, strict=True))
     ]
-    render = tokenizer.apply_chat_template
-    without = list(render(base, tokenize=True, add_generation_prompt=False, return_dict=False))
-    with_tools = list(
-        render(base + tool_messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-    )
-    if with_tools[: len(without)] != without:
+    ids = appended_ids(tokenizer, base, tool_messages, last_ids)
+    if ids is None:
         raise UserError(
             "the chat template does not render tool messages append-only (the conversation "
             "before them changes); mileage never re-tokenizes a trajectory, so it cannot use it"
         )
+    return ids
+
+
+def appended_ids(
+    tokenizer,
+    history: list[dict[str, Any]],
+    new: list[dict[str, Any]],
+    last_ids: list[int],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int] | None:
+    """The ids the chat template puts after `history` (ending with the model's turn, whose ids
+    end with `last_ids`) when `new` messages follow, up to the next assistant header; None when
+    the template does not render history + new with history's rendering as a prefix."""
+    extra = {"tools": tools} if tools else {}
+    render = tokenizer.apply_chat_template
+    without = list(
+        render(history, tokenize=True, add_generation_prompt=False, return_dict=False, **extra)
+    )
+    with_new = list(
+        render(history + new, tokenize=True, add_generation_prompt=True, return_dict=False, **extra)
+    )
+    if with_new[: len(without)] != without:
+        return None
     tail: list[int] = []
     if last_ids and last_ids[-1] in without:
         end = len(without) - 1 - without[::-1].index(last_ids[-1])
         tail = without[end + 1 :]
-    return tail + with_tools[len(without) :]
+    return tail + with_new[len(without) :]
 
 
 async def tool_loop(ctx: GenerateContext, sample: Sample, params: SamplingParams) -> Sample:

@@ -24,7 +24,13 @@ LENGTH = "length"  # a turn hit its max new tokens, or the response budget ran o
 MAX_TURNS = "max_turns"  # --generate-max-turns model turns, the last one still calling a tool
 TOOL_ERROR = "tool_error"  # the tool raised, returned a non-string, or a call did not parse
 TOOL_TIMEOUT = "tool_timeout"  # a tool call ran past --tool-timeout (its worker was killed)
-STOP_REASONS = (STOP, LENGTH, MAX_TURNS, TOOL_ERROR, TOOL_TIMEOUT)
+# an agent's sample (--agent-function-path) that failed: nothing of it is trained
+AGENT_ERROR = "agent_error"  # the agent raised
+AGENT_TIMEOUT = "agent_timeout"  # it ran past --agent-timeout seconds of its own
+AGENT_BAD_RETURN = "agent_bad_return"  # it returned neither a finite number nor None
+AGENT_NO_CALLS = "agent_no_calls"  # it never called the endpoint
+AGENT_FAILURES = (AGENT_ERROR, AGENT_TIMEOUT, AGENT_BAD_RETURN, AGENT_NO_CALLS)
+STOP_REASONS = (STOP, LENGTH, MAX_TURNS, TOOL_ERROR, TOOL_TIMEOUT, *AGENT_FAILURES)
 
 
 @dataclass
@@ -59,6 +65,9 @@ class Sample:
     turns: int = 1  # model turns taken
     stop_reason: str | None = None  # one of STOP_REASONS (None: a single-turn sample)
     metadata: dict[str, Any] = field(default_factory=dict)  # user data (--metadata-key, custom)
+    # an agent's sample: its requests, segments, splits, ... (mileage.rollout.agents)
+    agent_stats: dict[str, float] | None = None
+    agent_failure: str | None = None  # the line naming why its agent failed
 
     def mask(self) -> list[int]:
         """The loss mask per response token (all ones when none was recorded)."""

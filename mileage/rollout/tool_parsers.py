@@ -41,6 +41,13 @@ Render = Callable[[list[str]], str]
 class ToolFormat:
     parse: Parse
     render: Render
+    # what a call looks like in the text: the agent endpoint (mileage.rollout.agents) returns a
+    # turn's text without it as the message content (None: the whole text)
+    pattern: re.Pattern[str] | None = None
+
+    def content(self, text: str) -> str:
+        """The turn's text without its tool calls."""
+        return self.pattern.sub("", text).strip() if self.pattern is not None else text
 
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -91,27 +98,30 @@ def render_calc(outputs: list[str]) -> str:
 
 
 PARSERS: dict[str, ToolFormat] = {
-    "calc": ToolFormat(parse_calc, render_calc),
+    "calc": ToolFormat(parse_calc, render_calc, CALC_CALL),
     # sglang's names for the same format, so miles' flag values work unchanged
-    "qwen25": ToolFormat(parse_hermes, render_hermes),
-    "qwen": ToolFormat(parse_hermes, render_hermes),
-    "hermes": ToolFormat(parse_hermes, render_hermes),
+    "qwen25": ToolFormat(parse_hermes, render_hermes, _TOOL_CALL),
+    "qwen": ToolFormat(parse_hermes, render_hermes, _TOOL_CALL),
+    "hermes": ToolFormat(parse_hermes, render_hermes, _TOOL_CALL),
 }
 DEFAULT_PARSER = "qwen25"
 
 
-def register_parser(name: str, parse: Parse, render: Render = render_hermes) -> None:
+def register_parser(
+    name: str, parse: Parse, render: Render = render_hermes, pattern: str | None = None
+) -> None:
     """Make `--generate-tool-call-parser name` select `parse` (and `render`). A name already
     taken by another function is refused: replacing a built-in parser silently would change
     what every run using that name trains on. (Registering the same function again, as a
-    re-imported module does, is allowed.)"""
+    re-imported module does, is allowed.) `pattern`, a regular expression matching one call
+    in the text, lets the agent endpoint return a turn's text without its calls."""
     known = PARSERS.get(name)
     if known is not None and _qualified(known.parse) != _qualified(parse):
         raise UserError(
             f"tool-call parser {name!r} is already registered ({_qualified(known.parse)}); "
             "register yours under another name"
         )
-    PARSERS[name] = ToolFormat(parse, render)
+    PARSERS[name] = ToolFormat(parse, render, re.compile(pattern, re.DOTALL) if pattern else None)
 
 
 def _qualified(fn: Callable) -> str:

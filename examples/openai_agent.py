@@ -1,0 +1,56 @@
+"""A ReAct agent written against the plain `openai` client, trained by mileage unchanged.
+
+    mileage train --builtin-task addition-tool --agent-function-path examples/openai_agent.py:agent
+
+The agent sees the task's prompt (`48213+39075=`), asks the model, runs the calculator when the
+model calls it, hands the result back as a tool message and asks again, until the model answers
+without a call. It knows nothing of mileage: `base_url` and `api_key` point it at the run's
+OpenAI-compatible endpoint, whose every answer is the policy's, recorded token for token. It
+returns None, so the run's reward (the task's own) scores the final answer; return a number to
+score it yourself.
+
+It is deterministic given what the endpoint answers (no clock, no randomness of its own), which
+is what lets a killed run resume bit for bit (docs/agents.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+from openai import AsyncOpenAI
+
+from mileage.rollout.tool_task import TOOL_SPECS_PATH, calculator
+
+TOOLS = json.loads(TOOL_SPECS_PATH.read_text())
+MAX_STEPS = 2  # model turns: a call and the answer (the task's own limit)
+
+
+def run_tool(name: str, arguments: str) -> str:
+    """The tool's output, or the error a model would read (the agent goes on either way)."""
+    try:
+        expression = json.loads(arguments)["expression"]
+        if name != "calculator":
+            return f"error: unknown tool {name}"
+        return calculator(expression)
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"error: {exc}"
+
+
+async def agent(base_url: str, api_key: str, sample) -> float | None:
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages: list[dict] = [{"role": "user", "content": sample.prompt.text}]
+    try:
+        for _ in range(MAX_STEPS):
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, tools=TOOLS, max_tokens=16
+            )
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                break
+            for call in message.tool_calls:
+                output = run_tool(call.function.name, call.function.arguments)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+    finally:
+        await client.close()
+    return None  # the run's reward scores the trajectory's final answer
