@@ -381,10 +381,7 @@ def tool_metrics(samples: list[Sample]) -> dict[str, float]:
         "rollout/tool_errors": float(sum(c.status == TOOL_ERROR for c in calls)),
         "rollout/tool_timeouts": float(sum(c.status == TOOL_TIMEOUT for c in calls)),
         "rollout/mean_turns": sum(s.turns for s in samples) / len(samples),
-        "rollout/tool_use_rate": sum(
-            bool(s.tool_calls) or a > 0 for s, a in zip(samples, agent_calls, strict=True)
-        )
-        / len(samples),
+        "rollout/tool_use_rate": sum(s.used_tools() for s in samples) / len(samples),
     }
     stats = [s.agent_stats for s in samples if s.agent_stats]
     if stats:

@@ -204,7 +204,7 @@ def multi_turn_answers(
 
 def tool_use_rate(samples: list[Sample]) -> float:
     """The share of samples that called a tool at least once."""
-    return sum(bool(s.tool_calls) for s in samples) / len(samples)
+    return sum(s.used_tools() for s in samples) / len(samples)
 
 
 def evaluate(

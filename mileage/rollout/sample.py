@@ -75,6 +75,10 @@ class Sample:
             return [1] * len(self.response_ids)
         return self.loss_mask
 
+    def used_tools(self) -> bool:
+        """Whether the trajectory called a tool (an agent's: a call the endpoint handed out)."""
+        return bool(self.tool_calls) or bool(self.agent_stats and self.agent_stats["tool_calls"])
+
     def oldest_version(self) -> int | None:
         """The oldest weight version among the sample's tokens (what its staleness counts)."""
         if self.weight_versions:

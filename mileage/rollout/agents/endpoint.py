@@ -62,7 +62,7 @@ class AgentEndpoint:
         with self._lock:
             if self._server is not None:
                 return
-            self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+            self._server = _Server(("127.0.0.1", 0), _handler(self))
             self._server.daemon_threads = True
             self._thread = threading.Thread(
                 target=self._server.serve_forever, name="mileage agent endpoint", daemon=True
@@ -97,6 +97,12 @@ class AgentEndpoint:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    # every agent of a rollout (an evaluation's hundreds) may connect at once: the stdlib's
+    # backlog of 5 would refuse the rest (the kernel caps it at net.core.somaxconn)
+    request_queue_size = 4096
 
 
 def _key_and_route(path: str, authorization: str | None) -> tuple[str | None, str]:

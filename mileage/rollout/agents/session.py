@@ -65,6 +65,7 @@ AGENT_SHAPE = "async def agent(base_url, api_key, sample) -> float | None"
 # an async agent that does not stop this long after it was cancelled blocks the event loop
 CANCEL_GRACE_S = 10.0
 MAX_REWARD = 1e6
+SHOWN_FAILURES = 3  # failed samples named on stderr per rollout (all are in the metrics)
 
 
 def load_agent(path: str) -> Callable:
@@ -355,10 +356,25 @@ class AgentRollout:
             raise self.failure
         if "error" in box:
             raise box["error"]
-        return [
+        samples = [
             self._sample(state, given, *result)
             for state, given, result in zip(self.rows, inputs, box["results"], strict=True)
         ]
+        failed = [s.agent_failure for s in samples if s.agent_failure]
+        for line in failed[:SHOWN_FAILURES]:
+            print(f"agent: {line}", file=sys.stderr)
+        if len(failed) > SHOWN_FAILURES:
+            more = len(failed) - SHOWN_FAILURES
+            print(f"agent: ... and {more} more (rollout/agent_failures)", file=sys.stderr)
+        if self.diverged_labels:
+            print(
+                f"agent: {len(self.diverged_labels)} sample(s) asked other than the journal "
+                f"recorded, first {self.diverged_labels[0]}: the agent is not deterministic "
+                "given its inputs; those samples continue from their first divergence with "
+                "fresh samples (docs/agents.md)",
+                file=sys.stderr,
+            )
+        return samples
 
     def _watch(self, thread: threading.Thread) -> None:
         """Cancel each agent past its time limit; stop the run (one line) when one blocks the
@@ -424,7 +440,6 @@ class AgentRollout:
         if failure is not None:
             sample.loss_mask = [0] * len(sample.response_ids)  # nothing of a failure is trained
             sample.agent_failure = f"{state.label}: {failure}: {result}"
-            print(f"agent: {sample.agent_failure}", file=sys.stderr)
         sample.reward = 0.0 if reward is None else reward
         return sample
 
