@@ -54,6 +54,12 @@ DYNAMIC_POINTS = ("after_sampling_round",)
 TOOL_POINTS = ("tool_running",)
 
 
+# --agent-function-path runs only: in the endpoint, when an agent's request has been read (its
+# answers not yet generated: between turns), and when its answers are generated and journaled
+# but not yet sent (mid-request)
+AGENT_POINTS = ("agent_request", "agent_answered")
+
+
 # PPO only: the critic is written into the same staging directory, after the actor's optimizer
 CRITIC_SAVE_POINTS = ("save_after_critic_model", "save_after_critic")
 
@@ -122,7 +128,7 @@ class Kill:
     def __post_init__(self) -> None:
         if (self.point is None) == (self.delay is None):
             raise ValueError("a Kill needs exactly one of a point and a delay")
-        known = KILL_POINTS + CRITIC_SAVE_POINTS + DYNAMIC_POINTS + TOOL_POINTS
+        known = KILL_POINTS + CRITIC_SAVE_POINTS + DYNAMIC_POINTS + TOOL_POINTS + AGENT_POINTS
         if self.point is not None and self.point not in known:
             raise ValueError(f"unknown kill point {self.point!r}; known: {', '.join(known)}")
         if self.hit < 1:

@@ -31,17 +31,16 @@ import copy
 import hashlib
 import inspect
 import json
-import math
-import numbers
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from mileage.errors import UserError
+from mileage.faults import fault_point
+from mileage.rollout.agents.answers import judge, make_answer, where
 from mileage.rollout.agents.endpoint import AgentEndpoint
 from mileage.rollout.agents.protocol import Answer, ApiError, Request
 from mileage.rollout.agents.trajectory import Candidate, Renderer, RenderError, Trajectory
@@ -49,9 +48,7 @@ from mileage.rollout.client import TurnBatcher, _Request
 from mileage.rollout.engines.base import ROW_SEED_MASK, Completion, Engine, SamplingParams
 from mileage.rollout.journal import ToolJournal
 from mileage.rollout.sample import (
-    AGENT_BAD_RETURN,
     AGENT_ERROR,
-    AGENT_NO_CALLS,
     AGENT_TIMEOUT,
     LENGTH,
     STOP,
@@ -64,7 +61,6 @@ AGENT_FLAG = "--agent-function-path"
 AGENT_SHAPE = "async def agent(base_url, api_key, sample) -> float | None"
 # an async agent that does not stop this long after it was cancelled blocks the event loop
 CANCEL_GRACE_S = 10.0
-MAX_REWARD = 1e6
 SHOWN_FAILURES = 3  # failed samples named on stderr per rollout (all are in the metrics)
 
 
@@ -86,15 +82,6 @@ class AgentLimits:
 def _digest(ids: list[int], params: SamplingParams, seed: int | None) -> str:
     body = json.dumps([ids, params.max_new_tokens, params.temperature, params.top_p, seed])
     return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-def _where(exc: BaseException) -> str:
-    """The innermost line of the user's own code in `exc`'s traceback."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        name = frame.filename
-        if "site-packages" not in name and "/mileage/" not in name and not name.startswith("<"):
-            return f" at {name}:{frame.lineno}"
-    return ""
 
 
 class _Row:
@@ -179,10 +166,12 @@ class AgentRollout:
             params = replace(self.params, max_new_tokens=min(request.max_tokens or top, top, room))
             first = state.traj.calls
             state.traj.calls += request.n
+            fault_point("agent_request")  # the request read, its answers not yet generated
             completions = self._complete(state, row, first, ids, params, request.n)
+            fault_point("agent_answered")  # its answers generated and journaled, not yet sent
             answers, candidates = [], []
             for j, c in enumerate(completions):
-                answer = self._answer(c, request, f"call_{first + j}")
+                answer = make_answer(self.renderer, c, request, f"call_{first + j}")
                 answers.append(answer)
                 message = answer.message or {}
                 candidates.append(
@@ -276,27 +265,6 @@ class AgentRollout:
             ],
         )
 
-    def _answer(self, c: Completion, request: Request, call_prefix: str) -> Answer:
-        decode = self.renderer.tokenizer.decode
-        ids, logprobs, finished = list(c.response_ids), list(c.logprobs), c.finished
-        text = decode(ids, skip_special_tokens=True)
-        if request.stop and any(s in text for s in request.stop):
-            for k in range(1, len(ids) + 1):
-                part = decode(ids[:k], skip_special_tokens=True)
-                hits = [part.find(s) for s in request.stop if s in part]
-                if hits:
-                    ids, logprobs, finished, text = ids[:k], logprobs[:k], True, part[: min(hits)]
-                    break
-        message = None
-        if request.chat:
-            message = self.renderer.reply(text, request.parse_tools, call_prefix)
-        if message is not None and message.get("tool_calls"):
-            finish = "tool_calls"
-        else:
-            finish = "stop" if finished else "length"
-        tokens = [decode([t]) for t in ids]
-        return Answer(text, message, ids, logprobs, tokens, _pieces(decode, ids, text), finish)
-
     # --- the agents (the rollout's event loop) ------------------------------------------------
 
     async def _agent(self, row: int, sample: Sample) -> tuple[str | None, Any]:
@@ -321,7 +289,7 @@ class AgentRollout:
                     return AGENT_TIMEOUT, f"ran past --agent-timeout {limit:g}s of its own"
                 raise
             except BaseException as exc:  # noqa: BLE001 - the sample's failure, named
-                return AGENT_ERROR, f"raised {type(exc).__name__}: {exc}{_where(exc)}"
+                return AGENT_ERROR, f"raised {type(exc).__name__}: {exc}{where(exc)}"
         finally:
             state.clock.finish()
 
@@ -407,18 +375,7 @@ class AgentRollout:
         sample = copy.deepcopy(given)
         reward = None
         if failure is None:
-            if seg is None:
-                failure, result = AGENT_NO_CALLS, "never called the endpoint"
-            elif result is not None:
-                number = isinstance(result, numbers.Real) and math.isfinite(float(result))
-                if number and abs(float(result)) <= MAX_REWARD:
-                    reward = float(result)
-                if reward is None:
-                    failure = AGENT_BAD_RETURN
-                    result = (
-                        f"returned {_show(result)}; expected a finite number (|r| <= 1e6) or "
-                        "None (the run's reward scores the trajectory)"
-                    )
+            reward, failure, result = judge(result, called=seg is not None)
         if seg is not None:
             sample.prompt_ids = list(seg.prompt_ids)
             sample.response_ids = list(seg.response_ids)
@@ -452,25 +409,3 @@ class _SampleHandle:
 
     def handle(self, request: Request) -> tuple[list[Answer], list[int]]:
         return self.rollout.handle(self.row, request)
-
-
-def _pieces(decode: Callable, ids: list[int], text: str) -> list[str]:
-    """`text` as one piece per id, in order (a stream's deltas; joined, they are `text`): each
-    id's share of the decoded text; an id that ends inside a character, or past a stop
-    sequence, adds nothing."""
-    pieces, emitted = [], ""
-    for k in range(1, len(ids) + 1):
-        part = decode(ids[:k], skip_special_tokens=True)[: len(text)]
-        if part.endswith("\ufffd") or not part.startswith(emitted) or not text.startswith(part):
-            pieces.append("")
-            continue
-        pieces.append(part[len(emitted) :])
-        emitted = part
-    if pieces:
-        pieces[-1] += text[len(emitted) :]
-    return pieces
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

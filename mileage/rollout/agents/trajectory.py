@@ -301,6 +301,8 @@ class Trajectory:
         if plan.segment is None:
             if self.segments:
                 self.splits += 1
+                if self.candidates:  # what the old segment ended on, for its count
+                    self._take(self.segments[-1], self.candidates[0])
             seg = Segment(plan.kind, list(plan.input_ids), tools=plan.tools)
             self.segments.append(seg)
         else:
