@@ -68,6 +68,7 @@ RECORDS_KILLS = (
 )
 PRECISION = "tests/test_precision.py"
 MULTITURN = "tests/test_multiturn.py"
+AGENTS = "tests/test_agents.py"
 README_TEST = "tests/test_readme.py"
 EVAL = "tests/test_evaluation.py"
 EVAL_RUN = f"{EVAL}::test_named_eval_sets_log_pass_at_k_and_mileage_eval_reproduces_them"
@@ -2169,6 +2170,34 @@ MUTANTS = [
         "    return STOPPED_EXIT if stop_reason in PreemptionGuard.SIGNAL_NAMES else 0",
         "    return 0",
         (f"{PREEMPT}::test_signal_saves_and_exits_75_then_the_same_command_resumes",),
+    ),
+    Mutant(
+        "agent-completions-wrong-sample",
+        "an agent's completions are recorded into the next sample's trajectory",
+        "mileage/rollout/agents/session.py",
+        "            state.base_url, state.key = self.endpoint.add(self.sample_handler(row))",
+        "            state.base_url, state.key = self.endpoint.add(\n"
+        "                self.sample_handler((row + 1) % len(self.rows))\n"
+        "            )",
+        (f"{AGENTS}::test_the_plain_format_matches_the_built_in_tool_loop",),
+    ),
+    Mutant(
+        "agent-history-retokenized",
+        "an agent's history is rendered again from its text instead of reusing the engine's ids",
+        "mileage/rollout/agents/trajectory.py",
+        "                    if appended is not None:\n"
+        "                        ids = seg.context() + cand.ids + appended",
+        "                    if appended is not None:\n"
+        "                        ids = self.renderer.chat(forms, tools)",
+        (f"{AGENTS}::test_trajectory_is_the_engine_s_ids_and_the_tool_s",),
+    ),
+    Mutant(
+        "agent-journal-after-divergence",
+        "a sample whose agent diverged from the journal still takes journaled completions",
+        "mileage/rollout/agents/session.py",
+        "            entry = None if state.diverged else self.journal.get(self.slot, self._key(row, call))",
+        "            entry = self.journal.get(self.slot, self._key(row, call))",
+        (f"{AGENTS}::test_the_journal_replays_a_rerun_and_stops_at_a_divergence",),
     ),
 ]
 

@@ -52,9 +52,12 @@ class CalcEngine:
 
     in_process = False
 
-    def __init__(self, tok):
+    def __init__(self, tok, noise: bool = False):
         self.tok, self.weight_version = tok, 1
         self.calls: list[list[list[int]]] = []
+        # an answer starting with <unk>, which its text does not show: re-tokenizing the
+        # text would lose it
+        self.noise = noise
 
     def generate(self, prompts, params, seed=None, group_size=1):
         self.calls.append([list(p) for p in prompts])
@@ -68,6 +71,8 @@ class CalcEngine:
             else:
                 answer = "".join(ch for ch in tail[-7:] if ch.isdigit())
             ids_out = self.tok(answer, add_special_tokens=False)["input_ids"]
+            if self.noise:
+                ids_out = [self.tok.unk_token_id, *ids_out]
             ids_out = (ids_out + [self.tok.eos_token_id])[: params.max_new_tokens]
             finished = ids_out[-1] == self.tok.eos_token_id
             logprobs = [-0.5 - 0.01 * i for i in range(len(ids_out))]
@@ -177,18 +182,18 @@ def test_trajectory_is_the_engine_s_ids_and_the_tool_s(tmp_path):
     rendering, the engine's ids and what the template appends for the tool message, and each
     engine call's input is exactly the trajectory so far (nothing re-tokenized)."""
     agent, tok, encode = make_agent(f"{EXAMPLE}:agent", tok=tokenizer(template=True))
-    samples, engine = rollout(agent, tok, encode, PROMPTS[:1], n=1)
+    samples, engine = rollout(agent, tok, encode, PROMPTS[:1], n=1, engine=CalcEngine(tok, True))
     sample = samples[0]
-    eos = tok.eos_token_id
+    eos, unk = tok.eos_token_id, tok.unk_token_id
     turn_1, turn_2 = engine.calls[0][0], engine.calls[1][0]
-    answer_1 = ids(tok, "[12345+11111]") + [eos]
+    answer_1 = [unk, *ids(tok, "[12345+11111]"), eos]
     assert turn_1 == tok.apply_chat_template(
         [{"role": "user", "content": "12345+11111="}], add_generation_prompt=True,
         return_dict=False,
     )  # fmt: skip
     assert turn_2 == turn_1 + answer_1 + ids(tok, "T:23456|A:")
-    assert sample.prompt_ids + sample.response_ids == turn_2 + ids(tok, "23456") + [eos]
-    model = [1] * len(answer_1) + [0] * len(ids(tok, "T:23456|A:")) + [1] * 6
+    assert sample.prompt_ids + sample.response_ids == turn_2 + [unk, *ids(tok, "23456"), eos]
+    model = [1] * len(answer_1) + [0] * len(ids(tok, "T:23456|A:")) + [1] * 7
     assert sample.loss_mask == model and sample.stop_reason == STOP and sample.finished
     assert sample.agent_stats["splits"] == 0
     assert tool_metrics(samples)["rollout/tool_calls"] == 1.0
