@@ -1,7 +1,8 @@
 """The example agent (`examples/openai_agent.py`, a plain `openai` client loop) trains the built-in
-tool task end to end, lands on exactly the built-in tool loop's tensors (it asks for the same
-conversations, so it gets the same tokens), and resumes bit for bit when killed mid-request,
-between turns and mid-save."""
+tool task end to end and lands on exactly the built-in tool loop's tensors (it asks for the same
+conversations, so it gets the same tokens); in the configuration agentic RL runs (train-async,
+dynamic sampling's filter, LoRA) it resumes bit for bit when killed mid-request, between turns
+and mid-save."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mileage.rollout.dynamic import MILES_NONZERO_STD
 from mileage.testing.compare import LEFTOVER_DIFF, TENSOR_DIFF, compare_runs
 from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
 from mileage.testing.kills import Kill
@@ -29,10 +31,17 @@ BASE = [
     "--num-threads", "1",
 ]  # fmt: skip
 AGENT_ARGS = [*BASE, "--agent-function-path", f"{AGENT}:agent"]
-# rollout 0 makes 16 first requests and one more per sample that called the calculator
+AGENTIC = [
+    *AGENT_ARGS,
+    "--dynamic-sampling-filter-path", MILES_NONZERO_STD,
+    "--lora-rank", "4",
+    "--lora-alpha", "8",
+    "--target-modules", "all-linear",
+]  # fmt: skip
+# a slot makes 16 first requests, then one more per sample that called the calculator
 CHAIN = [
-    Kill.at("agent_answered", 20),  # rollout 1's first turn: answers journaled, not yet sent
-    Kill.at("agent_request", 18),  # rollout 1 again, its second turn: between turns
+    Kill.at("agent_answered", 24),  # answers journaled, not yet sent
+    Kill.at("agent_request", 18),  # a second turn's request read: between turns
     Kill.at("commit_before_tracker"),  # a checkpoint renamed, its tracker not yet moved
 ]
 
@@ -49,7 +58,7 @@ def records(save: Path) -> list[dict]:
     return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_agent_trains_as_the_tool_loop_and_resumes_exactly(tool_model, tmp_path):
+def test_the_agent_trains_exactly_as_the_built_in_tool_loop(tool_model, tmp_path):
     reference = tmp_path / "agent"
     run_uninterrupted(AGENT_ARGS, reference)
     logged = records(reference)
@@ -61,10 +70,20 @@ def test_the_agent_trains_as_the_tool_loop_and_resumes_exactly(tool_model, tmp_p
     tensors = [d for d in compare_runs(reference, loop) if d.startswith(TENSOR_DIFF)]
     assert tensors == []
     for a, b in zip(logged, records(loop), strict=True):
-        assert a["reward_mean"] == b["reward_mean"] and a["rollout/tool_calls"] == b["rollout/tool_calls"]
+        assert (
+            a["reward_mean"] == b["reward_mean"]
+            and a["rollout/tool_calls"] == b["rollout/tool_calls"]
+        )
 
+
+def test_agentic_rl_with_the_agent_resumes_exactly(tool_model, tmp_path):
+    reference = tmp_path / "reference"
+    run_uninterrupted(AGENTIC, reference, subcommand="train-async")
+    logged = records(reference)
+    assert sum(r["rollout/tool_calls"] for r in logged) > 0
+    assert all(r["staleness_max"] <= 1 for r in logged)
     save = tmp_path / "killed"
-    outcomes = run_with_kills(AGENT_ARGS, save, CHAIN)
+    outcomes = run_with_kills(AGENTIC, save, CHAIN, subcommand="train-async")
     table = outcome_table(outcomes)
     assert [o.status for o in outcomes] == ["killed"] * len(CHAIN), table
     for outcome in outcomes:
