@@ -40,8 +40,8 @@ AGENTIC = [
 ]  # fmt: skip
 # a slot makes 16 first requests, then one more per sample that called the calculator
 CHAIN = [
-    Kill.at("agent_answered", 24),  # answers journaled, not yet sent
-    Kill.at("agent_request", 18),  # a second turn's request read: between turns
+    Kill.at("agent_answered", 45),  # answers journaled, not yet sent
+    Kill.at("agent_request", 30),  # a request read, its answers not yet generated
     Kill.at("commit_before_tracker"),  # a checkpoint renamed, its tracker not yet moved
 ]
 
