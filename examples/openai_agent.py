@@ -16,13 +16,18 @@ is what lets a killed run resume bit for bit (docs/agents.md).
 from __future__ import annotations
 
 import json
+import ssl
 
+import httpx
 from openai import AsyncOpenAI
 
 from mileage.rollout.tool_task import TOOL_SPECS_PATH, calculator
 
 TOOLS = json.loads(TOOL_SPECS_PATH.read_text())
 MAX_STEPS = 2  # model turns: a call and the answer (the task's own limit)
+# one TLS context for every client: building one loads the CA bundle (~20 ms), which a client
+# per sample would otherwise pay each time (the endpoint itself is plain HTTP on 127.0.0.1)
+TLS = ssl.create_default_context()
 
 
 def run_tool(name: str, arguments: str) -> str:
@@ -37,7 +42,9 @@ def run_tool(name: str, arguments: str) -> str:
 
 
 async def agent(base_url: str, api_key: str, sample) -> float | None:
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = AsyncOpenAI(
+        base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx.AsyncClient(verify=TLS)
+    )
     messages: list[dict] = [{"role": "user", "content": sample.prompt.text}]
     try:
         for _ in range(MAX_STEPS):
