@@ -9,6 +9,8 @@ OpenAI-compatible endpoint, whose every answer is the policy's, recorded token f
 returns None, so the run's reward (the task's own) scores the final answer; return a number to
 score it yourself.
 
+It stops where the task's own tool loop stops (a turn cut off by its token limit, a call the
+calculator cannot run, no room left in the context), so it trains exactly what that loop trains.
 It is deterministic given what the endpoint answers (no clock, no randomness of its own), which
 is what lets a killed run resume bit for bit (docs/agents.md).
 """
@@ -19,7 +21,7 @@ import json
 import ssl
 
 import httpx
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 
 from mileage.rollout.tool_task import TOOL_SPECS_PATH, calculator
 
@@ -30,15 +32,14 @@ MAX_STEPS = 2  # model turns: a call and the answer (the task's own limit)
 TLS = ssl.create_default_context()
 
 
-def run_tool(name: str, arguments: str) -> str:
-    """The tool's output, or the error a model would read (the agent goes on either way)."""
+def run_tool(name: str, arguments: str) -> str | None:
+    """The tool's output, or None when the call cannot be run."""
     try:
-        expression = json.loads(arguments)["expression"]
         if name != "calculator":
-            return f"error: unknown tool {name}"
-        return calculator(expression)
-    except (ValueError, KeyError, TypeError) as exc:
-        return f"error: {exc}"
+            return None
+        return calculator(json.loads(arguments)["expression"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def agent(base_url: str, api_key: str, sample) -> float | None:
@@ -48,15 +49,20 @@ async def agent(base_url: str, api_key: str, sample) -> float | None:
     messages: list[dict] = [{"role": "user", "content": sample.prompt.text}]
     try:
         for _ in range(MAX_STEPS):
-            reply = await client.chat.completions.create(
-                model="policy", messages=messages, tools=TOOLS, max_tokens=16
-            )
-            message = reply.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls:
-                break
-            for call in message.tool_calls:
+            try:
+                reply = await client.chat.completions.create(
+                    model="policy", messages=messages, tools=TOOLS, max_tokens=16
+                )
+            except BadRequestError:
+                break  # no room left in the model's context: the last answer stands
+            choice = reply.choices[0]
+            messages.append(choice.message.model_dump(exclude_none=True))
+            if choice.finish_reason != "tool_calls":
+                break  # an answer (or a turn cut off by its token limit)
+            for call in choice.message.tool_calls:
                 output = run_tool(call.function.name, call.function.arguments)
+                if output is None:
+                    return None  # a call the calculator cannot run ends the attempt
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
     finally:
         await client.close()

@@ -33,10 +33,12 @@ def make_answer(renderer: Renderer, c: Completion, request: Request, call_prefix
                 ids, logprobs, finished, text = ids[:k], logprobs[:k], True, part[: min(hits)]
                 break
     message = renderer.reply(text, request.parse_tools, call_prefix) if request.chat else None
-    if message is not None and message.get("tool_calls"):
+    if not finished:
+        finish = "length"  # as OpenAI's: a call cut off by the limit may be incomplete
+    elif message is not None and message.get("tool_calls"):
         finish = "tool_calls"
     else:
-        finish = "stop" if finished else "length"
+        finish = "stop"
     tokens = [decode([t]) for t in ids]
     return Answer(text, message, ids, logprobs, tokens, pieces(decode, ids, text), finish)
 
