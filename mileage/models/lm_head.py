@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +33,56 @@ from mileage.models.packed import PackedLinear, linear, packed_weight, packed_we
 
 _state = threading.local()  # generation may run in any thread (async driver, `mileage serve`)
 
+# what a head given to `on_hidden` returns instead of its logits: f(hidden states, the head)
+HiddenFn = Callable[[torch.Tensor, torch.nn.Linear], torch.Tensor]
 
-class Fp32LogitsLinear(PackedLinear):
+
+class HiddenHead(PackedLinear):
+    """An `nn.Linear` LM head that, inside `on_hidden(fn)` in this thread, returns
+    `fn(hidden, head)` instead of its logits: the caller computes what it needs from the hidden
+    states (log-probs a chunk of tokens at a time, `mileage.training.logprobs`) while the head
+    still runs inside the model's forward, where a sharded model's parameters are gathered."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        fn = getattr(_state, "on_hidden", None)
+        if fn is not None:
+            return fn(hidden, self)
+        return super().forward(hidden)
+
+
+def hidden_head(model: torch.nn.Module) -> HiddenHead | None:
+    """`model`'s LM head, made a `HiddenHead` in place if it is a plain linear one (only the
+    class changes: parameters, tying and the state dict stay); None where the head is anything
+    else (a LoRA-wrapped head, a model without one) or the model post-processes its logits."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if isinstance(head, HiddenHead):
+        return head
+    if type(head) not in (torch.nn.Linear, PackedLinear):
+        return None
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None):  # Gemma: logits change after the head
+        return None
+    head.__class__ = HiddenHead
+    return head
+
+
+@contextlib.contextmanager
+def on_hidden(fn: HiddenFn) -> Iterator[None]:
+    """Inside the context, `HiddenHead`s in this thread return `fn(hidden, head)`."""
+    before = getattr(_state, "on_hidden", None)
+    _state.on_hidden = fn
+    try:
+        yield
+    finally:
+        _state.on_hidden = before
+
+
+class Fp32LogitsLinear(HiddenHead):
     """An `nn.Linear` LM head that computes in fp32 inside `fp32_logits()`."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not getattr(_state, "active", False):
+        if getattr(_state, "on_hidden", None) is not None or not getattr(_state, "active", False):
             return super().forward(hidden)
         bias = None if self.bias is None else self.bias.float()
         with torch.autocast(hidden.device.type, enabled=False):
@@ -53,7 +97,7 @@ def use_fp32_logits(model: torch.nn.Module, enabled: bool) -> bool:
     not a plain `nn.Linear` (a LoRA-wrapped head, a model without one): it is left as it is."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
-    if type(head) not in (torch.nn.Linear, PackedLinear, Fp32LogitsLinear):
+    if type(head) not in (torch.nn.Linear, PackedLinear, HiddenHead, Fp32LogitsLinear):
         return False
     head.__class__ = Fp32LogitsLinear if enabled else torch.nn.Linear
     return enabled

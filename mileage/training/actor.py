@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 from mileage import ranks
 from mileage.faults import fault_point, poison_point
@@ -25,7 +26,7 @@ from mileage.training.batch import TrainBatch
 from mileage.training.corrections import opsm_keep
 from mileage.training.critic import Critic
 from mileage.training.finite import FiniteConfig, NonFiniteError, bad_stat, check_tensors
-from mileage.training.logprobs import token_logprobs
+from mileage.training.logprobs import model_logprobs, token_logprobs
 from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss
 from mileage.training.optimizer import LRSchedule
 from mileage.training.shared_prompt import forward_parameters, shared_prompt_logprobs
@@ -39,23 +40,35 @@ def sequence_logprobs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    chunk_tokens: int = -1,
 ):
     """Log-probs of `batch.targets` (and entropies), from target column `target_offset` on,
-    computed in the model's precision (`mileage.precision`); the log-softmax is always fp32.
-    Rows that share a prompt share its forward (`mileage.training.shared_prompt`)."""
-    shared = shared_prompt_logprobs(model, batch, temperature, with_entropy, entropy_grad)
+    computed in the model's precision (`mileage.precision`); the log-softmax is always fp32, and
+    the LM head runs `chunk_tokens` positions at a time (`mileage.training.logprobs`). Rows
+    that share a prompt share its forward (`mileage.training.shared_prompt`)."""
+    shared = shared_prompt_logprobs(
+        model, batch, temperature, with_entropy, entropy_grad, chunk_tokens
+    )
     if shared is not None:
         return shared
     keep = batch.input_ids.shape[1] - batch.target_offset
     with autocast(model):
         if _accepts_logits_to_keep(model):
-            out = model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
+            # the last kept position scores no target: it gets a dummy one, and is dropped
+            logp, entropy = model_logprobs(
+                model,
+                F.pad(batch.targets, (0, 1)),
+                temperature,
+                with_entropy,
+                entropy_grad,
+                chunk_tokens,
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                logits_to_keep=keep,
             )
-            logits = out.logits[:, :-1]
-        else:
-            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-            logits = out.logits[:, batch.target_offset : -1]
+            return logp[:, :-1], (None if entropy is None else entropy[:, :-1])
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        logits = out.logits[:, batch.target_offset : -1]
     return token_logprobs(logits, batch.targets, temperature, with_entropy, entropy_grad)
 
 
@@ -109,13 +122,17 @@ class Actor:
         self.step = 0
         self.nonfinite_skipped = 0  # optimizer steps skipped for a NaN/inf loss or gradient
         self._custom_loss = None
+        vocab = getattr(getattr(model, "config", None), "vocab_size", 0) or 0
+        self.chunk_tokens = algo.chunk_tokens(vocab)  # --log-probs-chunk-size
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: TrainBatch, micro: int) -> torch.Tensor:
         out = torch.zeros_like(batch.old_logprobs)
         for start in range(0, len(batch), micro):
             part = batch.slice(start, start + micro)
-            logp, _ = sequence_logprobs(self.reference, part, self.temperature)
+            logp, _ = sequence_logprobs(
+                self.reference, part, self.temperature, chunk_tokens=self.chunk_tokens
+            )
             first = part.target_offset
             out[start : start + micro, first : first + logp.shape[1]] = logp
         return out
@@ -304,6 +321,7 @@ class Actor:
             self.temperature,
             with_entropy=True,
             entropy_grad=self.algo.entropy_coef != 0.0,
+            chunk_tokens=self.chunk_tokens,
         )
         taken = _take_old_from_pass(part, logp) if part.old_from_pass else {}
         loss, stats = self._main_loss(part, logp, reduce)

@@ -13,6 +13,9 @@ from mileage.training.losses import KL_ESTIMATORS
 
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+# the default chunk of `--log-probs-chunk-size`: SmolLM2's 49,152-word logits for 341 tokens.
+# Larger chunks were no faster and smaller ones slower (docs/benchmarks.md, "Memory")
+LOGITS_CHUNK_BYTES = 64 << 20
 
 
 @dataclass
@@ -59,6 +62,12 @@ class AlgoConfig:
     micro_batch_size: int | None = option(
         None, "samples per forward/backward; gradients accumulate (default: global batch)"
     )
+    log_probs_chunk_size: int | None = option(
+        None,
+        "tokens per chunk of the LM head and log-prob computation, so a batch's vocabulary-"
+        "sized logits never exist whole; -1: all at once, as miles' default (default: the "
+        f"tokens whose fp32 logits fill {LOGITS_CHUNK_BYTES >> 20} MiB, stated in the plan)",
+    )
     use_opsm: bool = option(
         False,
         "off-policy sequence masking: no policy-gradient term for a sequence with negative "
@@ -77,6 +86,11 @@ class AlgoConfig:
     def validate(self, n_samples_per_prompt: int) -> None:
         """Refuse what miles refuses, and what would silently do nothing."""
         est = self.advantage_estimator
+        chunk = self.log_probs_chunk_size
+        if chunk is not None and chunk != -1 and chunk <= 0:
+            raise UserError(
+                f"--log-probs-chunk-size {chunk}: give a number of tokens > 0, or -1 for all at once"
+            )
         if self.kl_coef != 0.0 and (self.use_kl_loss or self.kl_loss_coef != 0.0):
             raise UserError(
                 "give --kl-coef (KL in the reward) or --use-kl-loss/--kl-loss-coef (KL in the "
@@ -112,6 +126,12 @@ class AlgoConfig:
             raise UserError("--loss-type custom_loss and --custom-loss-function-path go together")
         if self.custom_loss_function_path:
             load_custom_loss(self.custom_loss_function_path)
+
+    def chunk_tokens(self, vocab_size: int) -> int:
+        """`--log-probs-chunk-size` for a model of `vocab_size` words (-1: unchunked)."""
+        if self.log_probs_chunk_size is not None:
+            return self.log_probs_chunk_size
+        return max(1, LOGITS_CHUNK_BYTES // (4 * max(vocab_size, 1)))
 
     def batch_sizes(self, samples_per_rollout: int) -> tuple[int, int]:
         """(global, micro) batch sizes, checked against the rollout size."""

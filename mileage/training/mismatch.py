@@ -170,7 +170,7 @@ def trainer_logprobs(
     model.eval()
     for start in range(0, len(batch), micro):
         part = batch.slice(start, start + micro)
-        logp, _ = sequence_logprobs(model, part, actor.temperature)
+        logp, _ = sequence_logprobs(model, part, actor.temperature, chunk_tokens=actor.chunk_tokens)
         first = part.target_offset
         out[start : start + micro, first : first + logp.shape[1]] = logp
     model.train(was_training)

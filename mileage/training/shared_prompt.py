@@ -34,7 +34,7 @@ import torch
 from mileage.models.kv_cache import expand_rows, shareable_cache
 from mileage.precision import autocast
 from mileage.training.batch import TrainBatch
-from mileage.training.logprobs import token_logprobs
+from mileage.training.logprobs import model_logprobs
 
 
 def forward_parameters(model) -> Mapping[str, inspect.Parameter]:
@@ -55,6 +55,7 @@ def shared_prompt_logprobs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    chunk_tokens: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`sequence_logprobs(model, batch, ...)` with each distinct prompt run once, or None when
     no prompt repeats in `batch`, its prompt lengths are unknown, a prompt is a single token, or
@@ -113,14 +114,19 @@ def shared_prompt_logprobs(
             logits_to_keep=1,
         )
         expand_rows(cache, rows)
-        logits = model(
+        logp, entropy = model_logprobs(
+            model,
+            targets,
+            temperature,
+            with_entropy,
+            entropy_grad,
+            chunk_tokens,
             input_ids=own_ids,
             attention_mask=torch.cat([prefix_mask[rows], inside.long()], dim=1),
             position_ids=starts[:, None] + steps,
             cache=cache,
             use_cache=True,
-        ).logits
-    logp, entropy = token_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
+        )
 
     # back to the batch's target columns: column c scores token c + 1, which is row i's own
     # target c - starts[i]; prompt columns get 0 (they are never in a loss mask)
