@@ -11,6 +11,7 @@ layer first (`layer.compile(dynamic=True)`, inductor) and reports how long that 
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision bf16
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision bf16 --plain
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision bf16 --compile
+    python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision fp32 --chunk -1
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     p.add_argument("--plain", action="store_true", help="every row whole: no shared prompts")
     p.add_argument("--compile", action="store_true", help="compile each decoder layer first")
+    p.add_argument(
+        "--chunk", type=int, default=None, help="--log-probs-chunk-size (default: mileage's)"
+    )
     args = p.parse_args(argv)
 
     from mileage.allocator import keep_freed_memory
@@ -48,12 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = set_precision(load_causal_lm(args.model_dir), args.precision).train()
     batch = random_batch(args, model.config.vocab_size)
+    from mileage.training.algo import AlgoConfig
+
+    chunk = AlgoConfig(log_probs_chunk_size=args.chunk).chunk_tokens(model.config.vocab_size)
     if args.plain:
         batch.prompt_lens = None  # the actor's plain forward
 
     def one_pass() -> float:
         start = time.perf_counter()
-        logp, _ = sequence_logprobs(model, batch, 1.0, with_entropy=True, entropy_grad=False)
+        logp, _ = sequence_logprobs(
+            model, batch, 1.0, with_entropy=True, entropy_grad=False, chunk_tokens=chunk
+        )
         loss = -(logp * batch.loss_mask).sum() / batch.loss_mask.sum()
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -76,10 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     mode = "plain" if args.plain else "each prompt once"
     print(
         f"{cpu['model']} ({', '.join(cpu['flags'])}), {args.threads} threads; {args.precision}, "
-        f"{args.prompts}x{args.samples} rows, {args.prompt_len}-token prompts, {mode}"
+        f"{args.prompts}x{args.samples} rows, {args.prompt_len}-token prompts, {mode}, "
+        f"log-prob chunk {chunk}"
         + (f", compiled in {compile_s:.0f} s" if compile_s is not None else "")
     )
     print("forward+backward s: " + " ".join(f"{t:.3f}" for t in times))
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    print(f"peak RSS {peak:.2f} GiB")
     return 0
 
 
