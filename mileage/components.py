@@ -6,7 +6,7 @@ Everything here is plumbing; the algorithm itself reads top to bottom in `loop.p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -85,6 +85,7 @@ from mileage.training.critic import (
 )
 from mileage.training.lora import LoraPolicy
 from mileage.training.lora_sync import takes_adapters
+from mileage.training.memory import MemoryPlan
 from mileage.training.optimizer import build_optimizer, build_schedule
 
 
@@ -114,6 +115,8 @@ class Run:
     agent: Agent | None = None
     # every part whose state the checkpoint's trainer state holds, registered once
     parts: StateRegistry = field(default_factory=StateRegistry)
+    # the memory estimate behind the micro-batch: each rollout logs its own beside its peak
+    memory: MemoryPlan | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -166,6 +169,8 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             log=log,
         )
     optimizer = build_optimizer(model, cfg.optim)
+    # the micro-batch the plan settled (given, saved by the run, or chosen from memory)
+    algo = replace(cfg.algo, micro_batch_size=plan.micro_batch or cfg.algo.micro_batch_size)
     steps_per_rollout = (
         cfg.rollout.samples_per_rollout // cfg.algo.batch_sizes(cfg.rollout.samples_per_rollout)[0]
     )
@@ -175,7 +180,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         critic = build_critic(
             cfg.critic,
             cfg.optim,
-            cfg.algo,
+            algo,
             model,
             plan.critic_from,
             config_dir,
@@ -189,7 +194,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         model,
         optimizer,
         schedule,
-        cfg.algo,
+        algo,
         temperature=cfg.rollout.rollout_temperature or 1.0,
         group_size=cfg.rollout.n_samples_per_prompt,
         clip_grad=cfg.optim.clip_grad,
@@ -231,6 +236,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     if buffer is not None:  # dynamic sampling's kept groups belong to the data position
         parts.register(STATE_KEY, buffer, DATA)
     return Run(
+        memory=pre.memory,
         cfg=cfg,
         plan=plan,
         tokenizer=tokenizer,
@@ -319,6 +325,7 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             settings=dict(run.cfg.trajectory_settings()),
             **extra,
             precision=run.plan.precision,
+            micro_batch_size=run.actor.algo.micro_batch_size,
         ),
         critic=critic,
     )

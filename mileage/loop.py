@@ -31,6 +31,7 @@ from mileage.rollout.shaping import shape_rewards
 from mileage.sources import Drawn, RolloutSource, sync_engine
 from mileage.training.batch import TrainBatch, mask_truncated, pack_samples
 from mileage.training.finite import NonFiniteError, check_checkpoint
+from mileage.training.memory import peak_record, reset_peak
 
 
 def can_eval(run: Run) -> bool:
@@ -118,6 +119,7 @@ def train(run: Run, progress: RunProgress, source: RolloutSource) -> tuple[list[
         ) as preempt:
             for rollout_id in range(plan.start_rollout_id, plan.num_rollout):
                 started = time.perf_counter()
+                reset_peak(run.device)
                 progress.phase(rollout_id, "generate")
                 drawn = source.draw(rollout_id)
                 generated = time.perf_counter()
@@ -136,6 +138,7 @@ def train(run: Run, progress: RunProgress, source: RolloutSource) -> tuple[list[
                 times = (started, generated, trained, synced)
                 record = rollout_record(rollout_id, drawn.prompts, drawn.samples, stats, times)
                 record.update(extra)
+                record |= peak_record(run.device, rollout_estimate(run))
                 if cfg.eval.log_passrate:
                     record |= rollout_passrate(drawn.samples, cfg.rollout.n_samples_per_prompt)
                 if engine_current:  # evaluation generates with the engine
@@ -149,6 +152,13 @@ def train(run: Run, progress: RunProgress, source: RolloutSource) -> tuple[list[
         source.close()
     finish(run, progress, records, stop_reason)
     return records, stop_reason
+
+
+def rollout_estimate(run: Run) -> int | None:
+    """The peak the memory estimate expects of the rollout just trained (its largest forward)."""
+    if run.memory is None:
+        return None
+    return run.memory.rollout_estimate(run.actor.largest_pass_tokens)
 
 
 def prepare_batch(run: Run, drawn: Drawn) -> tuple[TrainBatch, dict]:

@@ -21,9 +21,19 @@ from mileage.errors import UserError
 METRICS_FILE = "metrics.jsonl"
 # the rollout_id of the record of the evaluation before training
 EVAL_BEFORE_TRAINING = -1
-# keys that depend on wall-clock time, not on the computation
+# keys measured on the machine, not computed: wall-clock times and memory peaks (identical
+# runs differ in them; a resumed run is compared without them)
 TIMING_KEYS = frozenset(
-    {"time", "step_time", "gen_time", "train_time", "sync_time", "tokens_per_s"}
+    {
+        "time",
+        "step_time",
+        "gen_time",
+        "train_time",
+        "sync_time",
+        "tokens_per_s",
+        "mem_peak_gib",
+        "mem_cuda_peak_gib",
+    }
 )
 
 

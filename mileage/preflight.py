@@ -6,9 +6,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from mileage import ranks
 from mileage.checkpoint.layout import META, DirState
-from mileage.checkpoint.meta import recorded_model_dir, recorded_source, selected_checkpoint
-from mileage.checkpoint.plan import ResumePlan, StartFlags, gather_disk_state, plan_start
+from mileage.checkpoint.meta import (
+    recorded_micro_batch,
+    recorded_model_dir,
+    recorded_source,
+    selected_checkpoint,
+)
+from mileage.checkpoint.plan import (
+    COMPLETE,
+    RESUME,
+    ResumePlan,
+    StartFlags,
+    gather_disk_state,
+    plan_start,
+)
 from mileage.distributed import env
 from mileage.errors import UserError
 from mileage.models.hf import (
@@ -27,14 +40,32 @@ from mileage.rollout.dynamic import (
     load_buffer_filter,
     load_group_filter,
 )
+from mileage.rollout.engine import GENERATION_BATCH
 from mileage.rollout.evaluation import check_eval_lengths
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, build_reward_fn
 from mileage.rollout.rollout import PromptEncoder
-from mileage.rollout.sizes import check_lora_rank, check_rollout_sizes, check_round_memory
+from mileage.rollout.sizes import (
+    check_lora_rank,
+    check_rollout_sizes,
+    check_round_memory,
+    context_length,
+)
 from mileage.rollout.vfenv import check_one_turn
 from mileage.run_config import RunConfig
 from mileage.tracking import check_tracking
+from mileage.training.memory import (
+    MemoryPlan,
+    Workload,
+    available_memory,
+    model_size,
+    plan_memory,
+)
+
+# the prompts (longest in UTF-8 bytes) whose token count bounds a sample's: encoding every
+# prompt of a large dataset would make the plan slow, and a longer byte count almost always
+# means more tokens
+LONGEST_PROMPTS = 16
 
 
 def hf_checkpoint_path(cfg: RunConfig) -> str:
@@ -80,6 +111,48 @@ class Preflight:
     buffer_filter: BufferFilter | None = None  # --buffer-filter-path
     # --custom-generate-function-path, --rollout-function-path, the tool loop's flags
     user_functions: UserFunctions = field(default_factory=UserFunctions)
+    memory: MemoryPlan | None = None  # None for a complete run
+
+
+def memory_plan(
+    cfg: RunConfig,
+    model_config: dict,
+    encode: PromptEncoder,
+    prompts: list[Prompt],
+    plan: ResumePlan,
+    asynchronous: bool,
+    local_engine: bool,
+) -> MemoryPlan:
+    """The micro-batch and the memory estimate of this run, per rank (`mileage.training.memory`):
+    refused here, before any generation, where it cannot fit."""
+    rc, world = cfg.rollout, env.world_size()
+    size = model_size(model_config, cfg.lora.lora_rank, cfg.lora.target_modules)
+    longest = sorted(prompts, key=lambda p: -len(p.text.encode()))[:LONGEST_PROMPTS]
+    prompt_tokens = max((len(encode(p.text)) for p in longest), default=0)
+    tokens = prompt_tokens + rc.rollout_max_response_len
+    context = context_length(model_config)
+    samples = rc.samples_per_rollout
+    if cfg.dynamic.enabled:
+        samples = cfg.dynamic.round_size(rc.rollout_batch_size) * rc.n_samples_per_prompt
+    global_batch = cfg.algo.batch_sizes(rc.samples_per_rollout)[0]
+    work = Workload(
+        samples=max(global_batch // world, 1),
+        tokens_per_sample=min(tokens, context) if context else tokens,
+        engine_rows=min(samples, GENERATION_BATCH) if local_engine else 0,
+        bf16=plan.precision == BF16,
+        chunk_tokens=cfg.algo.chunk_tokens(size.vocab),
+        world_size=world,
+        reference=cfg.algo.needs_reference,
+        critic=plan.critic,
+        overlapped=asynchronous,
+        cuda=env.device().type == "cuda",
+    )
+    saved = None
+    if plan.action == RESUME and plan.weights_format == "native":
+        # a run from before the micro-batch was recorded trained whole global batches
+        saved = recorded_micro_batch(plan.weights_from) or global_batch // world
+    available = min(ranks.all_gather_object(available_memory(env.device())))
+    return plan_memory(size, work, cfg.algo.micro_batch_size, saved, available)
 
 
 def require_directories(**paths: str | None) -> None:
@@ -89,8 +162,9 @@ def require_directories(**paths: str | None) -> None:
             raise UserError(f"--{flag.replace('_', '-')} {path} is a file, not a directory")
 
 
-def preflight(cfg: RunConfig) -> Preflight:
-    """The plan and its inputs; cheap (reads JSON and directory listings, no tensors)."""
+def preflight(cfg: RunConfig, asynchronous: bool = False) -> Preflight:
+    """The plan and its inputs; cheap (reads JSON and directory listings, no tensors; the
+    model is built on the meta device to count its parameters)."""
     ck = cfg.checkpoint
     require_directories(save=ck.save, load=ck.load, ref_load=ck.ref_load)
     prompts = load_train_prompts(cfg.data)
@@ -153,8 +227,17 @@ def preflight(cfg: RunConfig) -> Preflight:
         # the built-in model is built on first use; plan as if it were there
         built = DirState(flags.hf_checkpoint, True, hf_config=model_config, hf_weights=True)
         disk = replace(disk, hf_checkpoint=built)
+    plan, memory = plan_start(flags, disk), None
+    if plan.action != COMPLETE:
+        memory = memory_plan(cfg, model_config, encode, prompts, plan, asynchronous, local)
+        plan = replace(
+            plan,
+            micro_batch=memory.micro_batch,
+            memory=memory.to_dict(),
+            memory_line=memory.describe(),
+        )
     return Preflight(
-        plan_start(flags, disk),
+        plan,
         flags,
         prompts,
         eval_sets,
@@ -162,4 +245,5 @@ def preflight(cfg: RunConfig) -> Preflight:
         group_filter,
         buffer_filter,
         user_functions,
+        memory,
     )

@@ -31,6 +31,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def local_world_size() -> int:
+    """Ranks on this machine (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def is_main() -> bool:
     """Rank 0: the process that prints, logs metrics, holds the lock and commits checkpoints."""
     return rank() == 0

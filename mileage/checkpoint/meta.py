@@ -95,6 +95,17 @@ def recorded_lora(checkpoint: str | Path) -> dict | None:
     return entry if isinstance(entry, dict) else None
 
 
+def recorded_micro_batch(checkpoint: str | Path) -> int | None:
+    """The micro-batch (samples) the run that wrote `checkpoint` trained with; None where its
+    meta.json predates the record or is unreadable (reported where it is read)."""
+    try:
+        meta = json.loads((Path(checkpoint) / META).read_text())
+    except (OSError, ValueError):
+        return None
+    value = meta.get("micro_batch_size") if isinstance(meta, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def recorded_model_dir(checkpoint: str | Path, log) -> str:
     """The HF directory (config + tokenizer) `checkpoint` was trained from, as meta.json records it.
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from mileage.checkpoint.critic_plan import plan_critic
 from mileage.checkpoint.layout import (
@@ -118,10 +118,17 @@ class ResumePlan:
     critic_state: bool = False
     precision: str = "fp32"
     precision_note: str = ""
+    # the micro-batch training uses (`mileage.training.memory.plan_memory`), and the memory
+    # estimate behind it; what is free changes from one call to the next, so it is not part
+    # of the decision a replanning compares
+    micro_batch: int | None = None
+    memory: dict | None = field(default=None, compare=False)
+    memory_line: str = field(default="", compare=False)
 
     def to_json(self) -> str:
         data = asdict(self)
         data["reasons"] = list(self.reasons)
+        del data["memory_line"]
         if not self.critic:  # the critic's part of the plan only appears for PPO
             for key in ("critic", "critic_from", "critic_state"):
                 del data[key]
@@ -151,6 +158,8 @@ class ResumePlan:
             + (" compute, fp32 master weights" if self.precision != "fp32" else "")
             + (f" ({self.precision_note})" if self.precision_note else ""),
         ]
+        if self.memory_line:
+            lines.append(f"  {self.memory_line}")
         if self.critic:
             lines.append(
                 "  critic: "

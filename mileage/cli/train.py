@@ -67,7 +67,7 @@ def train_command(cfg: RunConfig, asynchronous: bool = False) -> int:
 def _train(cfg: RunConfig, asynchronous: bool) -> int:
     notes: list[str] = []
     cfg = with_recorded_model(cfg, notes.append)
-    pre = preflight(cfg)
+    pre = preflight(cfg, asynchronous)
     plan = pre.plan
     progress = run_progress(plan.start_rollout_id, plan.num_rollout)
     if cfg.demo_note():
@@ -96,7 +96,7 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
             env.barrier()  # the other ranks plan again only after rank 0's cleanup
             # the plan was made before taking the lock; another run may have moved the tracker.
             # Reprint it only if the decision changed, not just the wording of its reasons.
-            pre = preflight(cfg)
+            pre = preflight(cfg, asynchronous)
             if replace(pre.plan, reasons=()) != replace(plan, reasons=()):
                 plan = pre.plan
                 progress.print(plan.describe())

@@ -112,7 +112,7 @@ def require_peft() -> None:
         ) from None
 
 
-def _linear_names(model: torch.nn.Module) -> list[str]:
+def adaptable_linear_names(model: torch.nn.Module) -> list[str]:
     """Full names of the linear layers an adapter may go on (not the output head: it is tied to
     the embedding in most small models, and neither PEFT's nor miles' all-linear includes it)."""
     head = model.get_output_embeddings()
@@ -125,7 +125,7 @@ def _linear_names(model: torch.nn.Module) -> list[str]:
 
 def resolve_targets(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
     """--target-modules minus --exclude-modules as module names; each must match a linear layer."""
-    linear = _linear_names(model)
+    linear = adaptable_linear_names(model)
 
     def matches(name: str) -> list[str]:
         return [full for full in linear if full == name or full.endswith("." + name)]

@@ -85,6 +85,25 @@ def _take_old_from_pass(part: TrainBatch, logp: torch.Tensor) -> dict[str, float
     return {_ABS_DIFF: float(diff), _TOKENS: float(part.loss_mask.sum())}
 
 
+def _count_embedded_tokens(model: torch.nn.Module) -> list[int]:
+    """A one-element counter of the tokens `model` embeds under autograd (a forward pre-hook on
+    its input embedding: every token a training forward runs passes through it once). The hook
+    is a plain closure, so deep copies of the model share the counter instead of copying it;
+    they generate without autograd, which it does not count."""
+    counter = [0]
+    get_embedding = getattr(model, "get_input_embeddings", None)
+    embedding = get_embedding() if get_embedding is not None else None
+    if embedding is None:
+        return counter
+
+    def count(module: torch.nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled() and args:
+            counter[0] += args[0].numel()
+
+    embedding.register_forward_pre_hook(count)
+    return counter
+
+
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in forward_parameters(model)
 
@@ -124,6 +143,10 @@ class Actor:
         self._custom_loss = None
         vocab = getattr(getattr(model, "config", None), "vocab_size", 0) or 0
         self.chunk_tokens = algo.chunk_tokens(vocab)  # --log-probs-chunk-size
+        # tokens of the rollout's largest training forward (what its activations scale with;
+        # shared prompts run once), for the memory estimate logged beside the measured peak
+        self.largest_pass_tokens = 0
+        self._embedded = _count_embedded_tokens(model)
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: TrainBatch, micro: int) -> torch.Tensor:
@@ -175,6 +198,7 @@ class Actor:
     def train_rollout(self, batch: TrainBatch) -> dict[str, float]:
         """All optimizer steps for one rollout; returns statistics averaged over its steps."""
         gbs, mbs = self.algo.batch_sizes(len(batch))
+        self.largest_pass_tokens = 0
         self.prepare(batch, mbs)
         critic_stats = {}
         if self.critic is not None:
@@ -315,6 +339,7 @@ class Actor:
         return loss, stats
 
     def _accumulate(self, part: TrainBatch, reduce: LossReducer) -> dict[str, float]:
+        self._embedded[0] = 0
         logp, entropy = sequence_logprobs(
             self.model,
             part,
@@ -323,6 +348,7 @@ class Actor:
             entropy_grad=self.algo.entropy_coef != 0.0,
             chunk_tokens=self.chunk_tokens,
         )
+        self.largest_pass_tokens = max(self.largest_pass_tokens, self._embedded[0])
         taken = _take_old_from_pass(part, logp) if part.old_from_pass else {}
         loss, stats = self._main_loss(part, logp, reduce)
         stats.update(taken)

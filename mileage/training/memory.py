@@ -1,0 +1,379 @@
+"""Memory as a budget: what a training step will need, per rank, before it runs; the micro-batch
+chosen from it; and the peak each rollout measured, logged beside the estimate.
+
+The estimate counts, in bytes per rank:
+- the runtime (Python, torch, transformers: `RUNTIME_BYTES`, measured, CPU only: a GPU's
+  context is outside `torch.cuda.mem_get_info`'s free memory before the run allocates);
+- the fp32 master weights, their gradients and AdamW's two moments (sharded over the ranks
+  under FSDP2, plus one decoder layer gathered whole), and a reference model or a critic;
+- the activations autograd keeps for a micro-batch: per token and decoder layer
+  `ACT_HIDDEN` x hidden + `ACT_INTERMEDIATE` x intermediate values (the norms, projections,
+  rotary and MLP products of a Llama layer: 14.7k fp32 values on SmolLM2, measured 1.68 MiB per
+  token over its 30 layers), `BF16_ACTIVATIONS` of that under bf16 autocast (the residual
+  stream and norms stay fp32);
+- the LM head's logits for one chunk of `--log-probs-chunk-size` tokens, `LOGIT_COPIES` fp32
+  copies of them (logits, the upcast, the softmax and the gradient in the backward);
+- the in-process engine: one generation batch's KV cache and, on a CPU in fp32, the weights
+  reordered for oneDNN (`mileage.models.packed`).
+
+Generation and training do not overlap in `train` (gradients are released before the next
+rollout generates), so the peak is the larger phase; `train-async` generates beside training
+and holds both. The measured peaks this was checked against are in docs/benchmarks.md
+("Memory"); `mem_estimate_gib` is logged beside `mem_peak_gib` in metrics.jsonl so any run
+checks it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import resource
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mileage import ranks
+from mileage.errors import UserError
+from mileage.rollout.sizes import kv_cache_bytes
+
+RUNTIME_BYTES = 400 << 20  # RSS of a `mileage train` process before its model is built (CPU)
+ACT_HIDDEN, ACT_INTERMEDIATE = 12, 5
+BF16_ACTIVATIONS = 0.78  # SmolLM2: 1.31 MiB per token in bf16 against 1.68 in fp32
+LOGIT_COPIES = 4
+MIN_ACTIVATION_BYTES = 1 << 30  # what a chosen micro-batch may always use, where it is free
+FP32 = 4
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The counts the estimate needs, from a model's config alone (no weights are read)."""
+
+    params: int  # every parameter once (a tied head is the embedding)
+    linear_params: int  # those in linear layers (what the engine reorders)
+    layer_params: int  # the largest decoder layer's (FSDP2 gathers one at a time)
+    trainable: int  # what the optimizer updates (with LoRA: the adapter)
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    kv_width: int  # key (or value) values per token and layer: kv heads x head dim
+
+
+def model_size(config: Mapping, lora_rank: int = 0, lora_targets: str | None = None) -> ModelSize:
+    """`ModelSize` of the model `config` (a config.json dict) describes: built on the meta device,
+    so nothing is allocated. With a LoRA rank, the trainable count is the adapter's."""
+    import transformers
+
+    fields = dict(config)
+    model_type = fields.pop("model_type", None) or "llama"
+    hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    params = sum(p.numel() for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    decoder = max(layers, key=len) if layers else []
+    trainable = params
+    if lora_rank:
+        from mileage.models.lora import LoraConfig, adaptable_linear_names, resolve_targets
+
+        cfg = LoraConfig(lora_rank=lora_rank, target_modules=lora_targets or "all-linear")
+        names = resolve_targets(model, cfg)
+        modules = dict(model.named_modules())
+        trainable = sum(
+            lora_rank * (modules[full].in_features + modules[full].out_features)
+            for full in adaptable_linear_names(model)
+            if full.rpartition(".")[2] in names
+        )
+    return ModelSize(
+        params=params,
+        linear_params=sum(m.weight.numel() for m in linears),
+        layer_params=max((sum(p.numel() for p in m.parameters()) for m in decoder), default=0),
+        trainable=trainable,
+        hidden=int(hf_config.hidden_size),
+        intermediate=int(getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size)),
+        layers=int(hf_config.num_hidden_layers),
+        vocab=int(hf_config.vocab_size),
+        kv_width=kv_cache_bytes(hf_config.to_dict(), 1, 1, 1) // (2 * hf_config.num_hidden_layers),
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one rollout's training asks of a rank."""
+
+    samples: int  # this rank's samples per global batch (what micro-batches split)
+    tokens_per_sample: int  # the longest a sample can be: its prompt + --rollout-max-response-len
+    engine_rows: int  # one generation batch of the in-process engine (0: a remote engine)
+    bf16: bool
+    chunk_tokens: int  # --log-probs-chunk-size (-1: a micro-batch's logits at once)
+    world_size: int = 1
+    reference: bool = False
+    critic: bool = False
+    overlapped: bool = False  # train-async: generation runs beside training
+    cuda: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parts: dict[str, int]  # bytes by part (see the module's docstring)
+    peak: int
+    pass_tokens: int  # tokens of the largest training forward (a micro-batch)
+    per_token: int  # activation bytes per token
+
+
+def estimate(size: ModelSize, work: Workload, pass_tokens: int) -> MemoryEstimate:
+    """The per-rank peak of a step whose largest training forward runs `pass_tokens` tokens."""
+    n = max(work.world_size, 1)
+    gathered = size.layer_params * FP32 if n > 1 else 0
+    state = size.params * FP32 // n + gathered
+    per_token = int(
+        size.layers * (ACT_HIDDEN * size.hidden + ACT_INTERMEDIATE * size.intermediate) * FP32
+    )
+    if work.bf16:
+        per_token = int(per_token * BF16_ACTIVATIONS)
+    tokens = pass_tokens
+    logit_rows = tokens if work.chunk_tokens < 0 else min(tokens, work.chunk_tokens)
+    engine = 0
+    if work.engine_rows:
+        kv = 2 * size.layers * size.kv_width * work.engine_rows * work.tokens_per_sample * FP32
+        reordered = size.linear_params * FP32 if not (work.bf16 or work.cuda) else 0
+        engine = kv + reordered + work.engine_rows * size.vocab * FP32
+    parts = {
+        "runtime": 0 if work.cuda else RUNTIME_BYTES,
+        "weights": state,
+        "gradients": size.trainable * FP32 // n,
+        "optimizer": 2 * size.trainable * FP32 // n,
+        "reference": size.params * FP32 // n if work.reference else 0,
+        "critic": (size.params + 3 * size.trainable) * FP32 // n if work.critic else 0,
+        "activations": tokens * per_token,
+        "logits": logit_rows * size.vocab * FP32 * LOGIT_COPIES,
+        "engine": engine,
+    }
+    always = sum(parts[k] for k in ("runtime", "weights", "optimizer", "reference", "critic"))
+    training = parts["gradients"] + parts["activations"] + parts["logits"]
+    peak = always + (training + engine if work.overlapped else max(training, engine))
+    return MemoryEstimate(parts, peak, pass_tokens, per_token)
+
+
+def choose_micro_batch(size: ModelSize, work: Workload, available: int | None) -> int:
+    """The micro-batch (samples) a run uses when neither `--micro-batch-size` nor a token
+    budget is given: activations and logits of at most the model state's own size (weights,
+    gradients, optimizer) or `MIN_ACTIVATION_BYTES`, whichever is more, less where the memory
+    free is less, split evenly over the samples.
+
+    On a CPU larger passes do not run faster per token (docs/benchmarks.md, "Memory"): bounding
+    them by the state keeps the peak a small multiple of what training must hold anyway, and
+    a small model's whole batch (the built-in demo's: 0.1 GiB) stays one pass. On a
+    GPU half of what is free after the fixed parts may go to activations: larger passes keep
+    the device busy. At least one sample, even where none fits (`check_fits` then refuses)."""
+    one = estimate(size, work, work.tokens_per_sample)
+    fixed = one.peak - one.parts["activations"] - one.parts["logits"]
+    state = one.parts["weights"] + one.parts["gradients"] + one.parts["optimizer"]
+    if work.cuda and available is not None:
+        budget = max(available - fixed, 0) // 2
+    else:
+        budget = max(state, MIN_ACTIVATION_BYTES)
+        if available is not None:
+            budget = min(budget, available - fixed)
+    per_sample = work.tokens_per_sample * one.per_token + one.parts["logits"]
+    fits = max(1, min(work.samples, budget // max(per_sample, 1)))
+    return math.ceil(work.samples / math.ceil(work.samples / fits))  # even micro-batches
+
+
+def largest_fitting(size: ModelSize, work: Workload, available: int) -> int:
+    """The largest micro-batch whose estimate fits `available` (0: not even one sample)."""
+    fits = [m for m in range(1, work.samples + 1) if _peak(size, work, m) <= available]
+    return max(fits, default=0)
+
+
+def _peak(size: ModelSize, work: Workload, micro_batch: int) -> int:
+    return estimate(size, work, micro_batch * work.tokens_per_sample).peak
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The micro-batch a run trains with, and the memory it is expected to take."""
+
+    size: ModelSize
+    work: Workload
+    micro_batch: int
+    how: str  # "given" (--micro-batch-size), "chosen" (fresh start) or "saved" (a resume)
+    available: int | None
+    estimate: MemoryEstimate
+
+    def describe(self) -> str:
+        """The plan's line: the peak, what it is made of, and what is free."""
+        e = self.estimate
+        shown = ", ".join(f"{name} {_gib(b)}" for name, b in e.parts.items() if b)
+        free = f" of {_gib(self.available)} free" if self.available is not None else ""
+        how = {
+            "given": "--micro-batch-size",
+            "chosen": "chosen from the memory free; saved with the run",
+            "saved": "as the run chose at its start (saved in its checkpoint)",
+        }[self.how]
+        chunk = self.work.chunk_tokens
+        if chunk < 0:
+            logits = "the LM head on a whole forward at once (--log-probs-chunk-size -1)"
+        elif chunk >= e.pass_tokens:
+            logits = f"the LM head in chunks of {chunk} tokens: one per forward"
+        else:
+            logits = f"the LM head and log-probs in chunks of {chunk} tokens"
+        return (
+            f"memory: peak ~{_gib(e.peak)}{free} per rank ({shown}); micro-batch "
+            f"{self.micro_batch} samples ({how}) of up to {self.work.tokens_per_sample} tokens; "
+            + logits
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "peak": self.estimate.peak,
+            "parts": self.estimate.parts,
+            "available": self.available,
+            "micro_batch": self.micro_batch,
+            "micro_batch_from": self.how,
+            "tokens_per_sample": self.work.tokens_per_sample,
+            "activation_bytes_per_token": self.estimate.per_token,
+            "log_probs_chunk_size": self.work.chunk_tokens,
+        }
+
+    def rollout_estimate(self, pass_tokens: int) -> int:
+        """The peak expected of a rollout whose largest training forward had `pass_tokens`."""
+        return estimate(self.size, self.work, pass_tokens or self.work.tokens_per_sample).peak
+
+
+def plan_memory(
+    size: ModelSize,
+    work: Workload,
+    given: int | None,
+    saved: int | None,
+    available: int | None,
+) -> MemoryPlan:
+    """The micro-batch: `given` (--micro-batch-size), else `saved` (what a resumed run chose at
+    its start: the same micro-batches keep it bit-exact), else chosen from `available`. A
+    micro-batch whose estimate exceeds `available` is refused here, before anything runs."""
+    if given is not None:
+        micro, how = min(given, work.samples), "given"
+    elif saved is not None:
+        micro, how = min(saved, work.samples), "saved"
+    else:
+        micro, how = choose_micro_batch(size, work, available), "chosen"
+    plan = MemoryPlan(
+        size, work, micro, how, available, estimate(size, work, micro * work.tokens_per_sample)
+    )
+    if available is None or plan.estimate.peak <= available:
+        return plan
+    need = f"needs ~{_gib(plan.estimate.peak)} per rank, more than the {_gib(available)} free"
+    fits = largest_fitting(size, work, available)
+    lower = (
+        f"--micro-batch-size {fits} fits"
+        if fits
+        else "not even one sample fits: lower --rollout-max-response-len, train an adapter "
+        "(--lora-rank) or shard over more ranks (torchrun)"
+    )
+    if how == "given":
+        raise UserError(f"--micro-batch-size {given} {need}; {lower}")
+    if how == "saved":
+        raise UserError(
+            f"this run chose micro-batches of {saved} samples at its start (its checkpoint "
+            f"keeps it, so a resume is bit-exact); here that {need}. Give --micro-batch-size "
+            f"to change it ({lower}; the rollouts after the resume then differ)"
+        )
+    raise UserError(f"training {need}: {lower}")
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this rank may still use: free GPU memory, or on a CPU what the process holds now
+    plus what the machine has available, capped by a cgroup limit when one is set."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    held = _rss_bytes() or 0
+    free = _meminfo("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_room()
+    free = free if limit is None else min(free, limit)
+    # ranks on one machine share it: each gets its share of what is free
+    return held + free // max(ranks.local_world_size(), 1)
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak: the process's resident high-water mark (Linux) and, on CUDA, torch's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass  # the peak then is the process's lifetime one
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_record(device: torch.device, estimate_bytes: int | None) -> dict[str, float]:
+    """metrics.jsonl's memory keys for the rollout since `reset_peak`: the largest over ranks
+    of each rank's peak, in GiB, and the estimate beside it."""
+    peaks = [_peak_rss_bytes()]
+    if device.type == "cuda":
+        peaks.append(torch.cuda.max_memory_allocated(device))
+    worst = [max(column) for column in zip(*ranks.all_gather_object(peaks), strict=True)]
+    record = {"mem_peak_gib": round(worst[0] / GiB, 3)}
+    if device.type == "cuda":
+        record["mem_cuda_peak_gib"] = round(worst[1] / GiB, 3)
+    if estimate_bytes:
+        record["mem_estimate_gib"] = round(estimate_bytes / GiB, 3)
+    return record
+
+
+def _gib(count: int) -> str:
+    return f"{count / GiB:.2f} GiB"
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    found = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
+def _rss_bytes() -> int | None:
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib << 10
+
+
+def _peak_rss_bytes() -> int:
+    kib = _status_kib("VmHWM")
+    if kib is None:  # not Linux: the lifetime peak (KiB on Linux, bytes on macOS)
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib << 10
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    found = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(found.group(1)) << 10 if found else None
+
+
+def _cgroup_room() -> int | None:
+    """The cgroup's limit less its usage (v2, then v1); None without a limit."""
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:
+            return None
+        return max(int(limit) - usage, 0)
+    return None
