@@ -66,6 +66,8 @@ def test_no_load_is_a_fresh_start_from_hf(capsys, base, tiny_hf):
         "reasons",
         "precision",
         "precision_note",
+        "micro_batch",
+        "memory",
     }
 
 

@@ -180,8 +180,14 @@ def choose_micro_batch(size: ModelSize, work: Workload, available: int | None) -
         budget = max(state, MIN_ACTIVATION_BYTES)
         if available is not None:
             budget = min(budget, available - fixed)
-    per_sample = work.tokens_per_sample * one.per_token + one.parts["logits"]
-    fits = max(1, min(work.samples, budget // max(per_sample, 1)))
+    # the logits are one chunk's whatever the micro-batch (or, unchunked, a share per sample)
+    per_sample = work.tokens_per_sample * one.per_token
+    logits = 0
+    if work.chunk_tokens < 0:
+        per_sample += one.parts["logits"]
+    else:
+        logits = work.chunk_tokens * size.vocab * FP32 * LOGIT_COPIES
+    fits = max(1, min(work.samples, (budget - logits) // max(per_sample, 1)))
     return math.ceil(work.samples / math.ceil(work.samples / fits))  # even micro-batches
 
 
