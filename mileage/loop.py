@@ -158,7 +158,7 @@ def rollout_estimate(run: Run) -> int | None:
     """The peak the memory estimate expects of the rollout just trained (its largest forward)."""
     if run.memory is None:
         return None
-    return run.memory.rollout_estimate(run.actor.largest_pass_tokens)
+    return run.memory.rollout_estimate(run.actor.largest_pass_tokens, run.actor.largest_pass_logits)
 
 
 def prepare_batch(run: Run, drawn: Drawn) -> tuple[TrainBatch, dict]:

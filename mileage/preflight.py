@@ -129,15 +129,17 @@ def memory_plan(
     size = model_size(model_config, cfg.lora.lora_rank, cfg.lora.target_modules)
     longest = sorted(prompts, key=lambda p: -len(p.text.encode()))[:LONGEST_PROMPTS]
     prompt_tokens = max((len(encode(p.text)) for p in longest), default=0)
-    tokens = prompt_tokens + rc.rollout_max_response_len
     context = context_length(model_config)
+    if context:
+        prompt_tokens = min(prompt_tokens, context - rc.rollout_max_response_len)
     samples = rc.samples_per_rollout
     if cfg.dynamic.enabled:
         samples = cfg.dynamic.round_size(rc.rollout_batch_size) * rc.n_samples_per_prompt
     global_batch = cfg.algo.batch_sizes(rc.samples_per_rollout)[0]
     work = Workload(
         samples=max(global_batch // world, 1),
-        tokens_per_sample=min(tokens, context) if context else tokens,
+        prompt_tokens=max(prompt_tokens, 1),
+        response_tokens=rc.rollout_max_response_len,
         engine_rows=min(samples, GENERATION_BATCH) if local_engine else 0,
         bf16=plan.precision == BF16,
         chunk_tokens=cfg.algo.chunk_tokens(size.vocab),
@@ -146,6 +148,8 @@ def memory_plan(
         critic=plan.critic,
         overlapped=asynchronous,
         cuda=env.device().type == "cuda",
+        group=rc.n_samples_per_prompt,
+        shared_prompts=world == 1,
     )
     saved = None
     if plan.action == RESUME and plan.weights_format == "native":

@@ -37,7 +37,16 @@ SMOLLM2 = {
     "max_position_embeddings": 8192,
     "tie_word_embeddings": True,
 }
-WORK = Workload(samples=64, tokens_per_sample=190, engine_rows=64, bf16=False, chunk_tokens=341)
+WORK = Workload(
+    samples=64,
+    prompt_tokens=62,
+    response_tokens=128,
+    engine_rows=64,
+    bf16=False,
+    chunk_tokens=341,
+    group=8,
+)
+PASS = (64 * 190, 64 * 129)  # a plain forward of the whole rollout: tokens, scored positions
 
 
 def test_model_size_counts_the_real_models_parameters(tiny_hf):
@@ -63,33 +72,34 @@ def test_lora_trainable_count_is_the_adapters(tiny_hf):
 def test_smollm2_estimate_parts():
     size = model_size(SMOLLM2)
     assert size.params == 134_515_008  # the published count (tied head)
-    whole = estimate(size, replace(WORK, chunk_tokens=-1), 64 * 190)
+    whole = estimate(size, replace(WORK, chunk_tokens=-1), *PASS)
     parts = whole.parts
     assert parts["weights"] == parts["gradients"] == size.params * 4
     assert parts["optimizer"] == 2 * parts["weights"]
     # 12 x 576 + 5 x 1536 fp32 values per layer and token, over 30 layers: 1.68 MiB a token
     assert whole.per_token == 30 * (12 * 576 + 5 * 1536) * 4
-    assert parts["logits"] == 64 * 190 * 49152 * 4 * memory.LOGIT_COPIES
-    chunked = estimate(size, WORK, 64 * 190)
+    assert parts["activations"] == 64 * 190 * whole.per_token
+    assert parts["logits"] == 64 * 129 * 49152 * 4 * memory.LOGIT_COPIES
+    chunked = estimate(size, WORK, *PASS)
     assert chunked.parts["logits"] == 341 * 49152 * 4 * memory.LOGIT_COPIES
     assert chunked.peak < whole.peak
-    bf16 = estimate(size, replace(WORK, bf16=True), 64 * 190)
+    bf16 = estimate(size, replace(WORK, bf16=True), *PASS)
     assert bf16.parts["activations"] < chunked.parts["activations"]
     assert bf16.parts["engine"] < chunked.parts["engine"]  # no reordered fp32 weights
 
 
 def test_ranks_shard_the_state_and_gather_one_layer():
     size = model_size(SMOLLM2)
-    one = estimate(size, WORK, 1000)
-    two = estimate(size, replace(WORK, world_size=2), 1000)
+    one = estimate(size, WORK, 1000, 500)
+    two = estimate(size, replace(WORK, world_size=2), 1000, 500)
     assert two.parts["weights"] == size.params * 4 // 2 + size.layer_params * 4
     assert two.parts["optimizer"] == one.parts["optimizer"] // 2
 
 
 def test_train_async_holds_generation_and_training_at_once():
     size = model_size(SMOLLM2)
-    apart = estimate(size, WORK, 1000)
-    together = estimate(size, replace(WORK, overlapped=True), 1000)
+    apart = estimate(size, WORK, 1000, 500)
+    together = estimate(size, replace(WORK, overlapped=True), 1000, 500)
     assert together.peak - apart.peak == min(
         apart.parts["engine"],
         apart.parts["gradients"] + apart.parts["activations"] + apart.parts["logits"],
@@ -99,24 +109,25 @@ def test_train_async_holds_generation_and_training_at_once():
 def test_the_chosen_micro_batch_bounds_activations_by_the_model_state():
     size = model_size(SMOLLM2)
     micro = choose_micro_batch(size, WORK, available=64 * GiB)
-    assert 1 < micro < 64 and 64 % micro <= micro  # split evenly
-    chosen = estimate(size, WORK, micro * 190)
+    assert 1 < micro < 64 and 64 % micro == 0  # cuts the global batch evenly
+    chosen = estimate(size, WORK, *WORK.pass_of(micro))
     state = sum(chosen.parts[k] for k in ("weights", "gradients", "optimizer"))
     assert chosen.parts["activations"] + chosen.parts["logits"] <= state
-    fits = max(
+    fits = [
         m
-        for m in range(1, 65)
-        if sum(estimate(size, WORK, m * 190).parts[k] for k in ("activations", "logits")) <= state
-    )
-    assert -(-64 // micro) == -(-64 // fits)  # as few micro-batches as fit, evened out
-    assert estimate(size, WORK, micro * 190).peak <= 6 * GiB  # issue 40's target workload
+        for m in (1, 2, 4, 8, 16, 32, 64)
+        if sum(estimate(size, WORK, *WORK.pass_of(m)).parts[k] for k in ("activations", "logits"))
+        <= state
+    ]
+    assert micro == max(fits)
+    assert chosen.peak <= 6 * GiB  # issue 40's target workload
     # less free memory: a smaller micro-batch
     assert choose_micro_batch(size, WORK, available=3 * GiB + GiB // 2) < micro
 
 
 def test_a_small_models_whole_batch_stays_one_pass(tiny_hf):
     config = json.loads((Path(tiny_hf) / "config.json").read_text())
-    work = replace(WORK, tokens_per_sample=20, samples=128)
+    work = replace(WORK, prompt_tokens=8, response_tokens=12, samples=128)
     assert choose_micro_batch(model_size(config), work, available=16 * GiB) == 128
 
 
@@ -129,11 +140,8 @@ def test_an_explicit_micro_batch_that_cannot_fit_is_refused_naming_what_fits():
         line.startswith("--micro-batch-size 64 needs ~") and "more than the 8.00 GiB free" in line
     )
     fits = int(line.rsplit("--micro-batch-size ", 1)[1].split()[0])
-    assert (
-        estimate(size, WORK, fits * 190).peak
-        <= 8 * GiB
-        < estimate(size, WORK, (fits + 1) * 190).peak
-    )
+    assert 64 % fits == 0  # mileage's micro-batches divide the global batch
+    assert memory._peak(size, WORK, fits) <= 8 * GiB < memory._peak(size, WORK, 2 * fits)
     assert plan_memory(size, WORK, given=fits, saved=None, available=8 * GiB).micro_batch == fits
 
 
@@ -145,6 +153,12 @@ def test_a_resume_keeps_the_saved_micro_batch_and_refuses_if_it_no_longer_fits()
         plan_memory(size, WORK, given=None, saved=16, available=4 * GiB)
     given = plan_memory(size, WORK, given=2, saved=16, available=4 * GiB)
     assert (given.micro_batch, given.how) == (2, "given")
+
+
+def test_a_shared_prompt_runs_once_per_group_in_a_pass():
+    assert WORK.pass_of(8) == (62 + 8 * 129, 8 * 129)
+    assert WORK.pass_of(4) == (2 * 62 + 4 * 129, 4 * 129)  # may straddle two prompts
+    assert replace(WORK, shared_prompts=False).pass_of(8) == (8 * 190, 8 * 129)
 
 
 def test_nothing_fits_names_what_to_change():

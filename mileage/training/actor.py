@@ -145,7 +145,7 @@ class Actor:
         self.chunk_tokens = algo.chunk_tokens(vocab)  # --log-probs-chunk-size
         # tokens of the rollout's largest training forward (what its activations scale with;
         # shared prompts run once), for the memory estimate logged beside the measured peak
-        self.largest_pass_tokens = 0
+        self.largest_pass_tokens = self.largest_pass_logits = 0
         self._embedded = _count_embedded_tokens(model)
 
     @torch.no_grad()
@@ -198,7 +198,7 @@ class Actor:
     def train_rollout(self, batch: TrainBatch) -> dict[str, float]:
         """All optimizer steps for one rollout; returns statistics averaged over its steps."""
         gbs, mbs = self.algo.batch_sizes(len(batch))
-        self.largest_pass_tokens = 0
+        self.largest_pass_tokens = self.largest_pass_logits = 0
         self.prepare(batch, mbs)
         critic_stats = {}
         if self.critic is not None:
@@ -349,6 +349,7 @@ class Actor:
             chunk_tokens=self.chunk_tokens,
         )
         self.largest_pass_tokens = max(self.largest_pass_tokens, self._embedded[0])
+        self.largest_pass_logits = max(self.largest_pass_logits, part.loss_mask.numel())
         taken = _take_old_from_pass(part, logp) if part.old_from_pass else {}
         loss, stats = self._main_loss(part, logp, reduce)
         stats.update(taken)

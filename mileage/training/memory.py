@@ -25,7 +25,6 @@ checks it.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import resource
@@ -42,7 +41,10 @@ from mileage.rollout.sizes import kv_cache_bytes
 RUNTIME_BYTES = 400 << 20  # RSS of a `mileage train` process before its model is built (CPU)
 ACT_HIDDEN, ACT_INTERMEDIATE = 12, 5
 BF16_ACTIVATIONS = 0.78  # SmolLM2: 1.31 MiB per token in bf16 against 1.68 in fp32
-LOGIT_COPIES = 4
+# fp32 logit-sized buffers alive at once: the head's output (kept for the backward), its
+# gradient, and a block's working copies; SmolLM2's unchunked pass of 16 x 129 positions took
+# 1.0 GiB more than the chunked one, 2.5 copies of its 0.41 GB logits
+LOGIT_COPIES = 3
 MIN_ACTIVATION_BYTES = 1 << 30  # what a chosen micro-batch may always use, where it is free
 FP32 = 4
 GiB = 1 << 30
@@ -107,7 +109,8 @@ class Workload:
     """What one rollout's training asks of a rank."""
 
     samples: int  # this rank's samples per global batch (what micro-batches split)
-    tokens_per_sample: int  # the longest a sample can be: its prompt + --rollout-max-response-len
+    prompt_tokens: int  # the longest prompt
+    response_tokens: int  # --rollout-max-response-len
     engine_rows: int  # one generation batch of the in-process engine (0: a remote engine)
     bf16: bool
     chunk_tokens: int  # --log-probs-chunk-size (-1: a micro-batch's logits at once)
@@ -116,6 +119,23 @@ class Workload:
     critic: bool = False
     overlapped: bool = False  # train-async: generation runs beside training
     cuda: bool = False
+    group: int = 1  # samples per prompt: consecutive rows that share one
+    shared_prompts: bool = True  # each distinct prompt's forward runs once (not under FSDP2)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+    def pass_of(self, micro_batch: int) -> tuple[int, int]:
+        """(tokens run, logit rows) of the largest training forward of `micro_batch` samples at
+        their longest: the prompt once per distinct prompt when the forward shares them, and
+        logits for the response positions only (`logits_to_keep`)."""
+        if self.shared_prompts and self.group > 1:
+            prompts = -(-micro_batch // self.group) + (micro_batch % self.group != 0)
+            tokens = prompts * self.prompt_tokens + micro_batch * (self.response_tokens + 1)
+        else:
+            tokens = micro_batch * self.tokens_per_sample
+        return tokens, micro_batch * (self.response_tokens + 1)
 
 
 @dataclass(frozen=True)
@@ -123,11 +143,13 @@ class MemoryEstimate:
     parts: dict[str, int]  # bytes by part (see the module's docstring)
     peak: int
     pass_tokens: int  # tokens of the largest training forward (a micro-batch)
+    logit_rows: int  # positions it scores (at most one chunk's, when chunked)
     per_token: int  # activation bytes per token
 
 
-def estimate(size: ModelSize, work: Workload, pass_tokens: int) -> MemoryEstimate:
-    """The per-rank peak of a step whose largest training forward runs `pass_tokens` tokens."""
+def estimate(size: ModelSize, work: Workload, pass_tokens: int, logit_rows: int) -> MemoryEstimate:
+    """The per-rank peak of a step whose largest training forward runs `pass_tokens` tokens
+    and scores `logit_rows` of them."""
     n = max(work.world_size, 1)
     gathered = size.layer_params * FP32 if n > 1 else 0
     state = size.params * FP32 // n + gathered
@@ -137,7 +159,8 @@ def estimate(size: ModelSize, work: Workload, pass_tokens: int) -> MemoryEstimat
     if work.bf16:
         per_token = int(per_token * BF16_ACTIVATIONS)
     tokens = pass_tokens
-    logit_rows = tokens if work.chunk_tokens < 0 else min(tokens, work.chunk_tokens)
+    if work.chunk_tokens >= 0:
+        logit_rows = min(logit_rows, work.chunk_tokens)
     engine = 0
     if work.engine_rows:
         kv = 2 * size.layers * size.kv_width * work.engine_rows * work.tokens_per_sample * FP32
@@ -157,21 +180,21 @@ def estimate(size: ModelSize, work: Workload, pass_tokens: int) -> MemoryEstimat
     always = sum(parts[k] for k in ("runtime", "weights", "optimizer", "reference", "critic"))
     training = parts["gradients"] + parts["activations"] + parts["logits"]
     peak = always + (training + engine if work.overlapped else max(training, engine))
-    return MemoryEstimate(parts, peak, pass_tokens, per_token)
+    return MemoryEstimate(parts, peak, pass_tokens, logit_rows, per_token)
 
 
 def choose_micro_batch(size: ModelSize, work: Workload, available: int | None) -> int:
     """The micro-batch (samples) a run uses when neither `--micro-batch-size` nor a token
     budget is given: activations and logits of at most the model state's own size (weights,
     gradients, optimizer) or `MIN_ACTIVATION_BYTES`, whichever is more, less where the memory
-    free is less, split evenly over the samples.
+    free is less; a divisor of the rank's samples per global batch.
 
     On a CPU larger passes do not run faster per token (docs/benchmarks.md, "Memory"): bounding
     them by the state keeps the peak a small multiple of what training must hold anyway, and
     a small model's whole batch (the built-in demo's: 0.1 GiB) stays one pass. On a
     GPU half of what is free after the fixed parts may go to activations: larger passes keep
     the device busy. At least one sample, even where none fits (`check_fits` then refuses)."""
-    one = estimate(size, work, work.tokens_per_sample)
+    one = estimate(size, work, *work.pass_of(1))
     fixed = one.peak - one.parts["activations"] - one.parts["logits"]
     state = one.parts["weights"] + one.parts["gradients"] + one.parts["optimizer"]
     if work.cuda and available is not None:
@@ -180,25 +203,29 @@ def choose_micro_batch(size: ModelSize, work: Workload, available: int | None) -
         budget = max(state, MIN_ACTIVATION_BYTES)
         if available is not None:
             budget = min(budget, available - fixed)
-    # the logits are one chunk's whatever the micro-batch (or, unchunked, a share per sample)
-    per_sample = work.tokens_per_sample * one.per_token
-    logits = 0
-    if work.chunk_tokens < 0:
-        per_sample += one.parts["logits"]
-    else:
-        logits = work.chunk_tokens * size.vocab * FP32 * LOGIT_COPIES
-    fits = max(1, min(work.samples, (budget - logits) // max(per_sample, 1)))
-    return math.ceil(work.samples / math.ceil(work.samples / fits))  # even micro-batches
+    return max(
+        (m for m in _divisors(work.samples) if _pass_bytes(size, work, m) <= budget), default=1
+    )
+
+
+def _divisors(samples: int) -> list[int]:
+    """The micro-batches that cut a rank's share of a global batch evenly (mileage requires it)."""
+    return [m for m in range(1, samples + 1) if samples % m == 0]
+
+
+def _pass_bytes(size: ModelSize, work: Workload, micro_batch: int) -> int:
+    parts = estimate(size, work, *work.pass_of(micro_batch)).parts
+    return parts["activations"] + parts["logits"]
 
 
 def largest_fitting(size: ModelSize, work: Workload, available: int) -> int:
     """The largest micro-batch whose estimate fits `available` (0: not even one sample)."""
-    fits = [m for m in range(1, work.samples + 1) if _peak(size, work, m) <= available]
+    fits = [m for m in _divisors(work.samples) if _peak(size, work, m) <= available]
     return max(fits, default=0)
 
 
 def _peak(size: ModelSize, work: Workload, micro_batch: int) -> int:
-    return estimate(size, work, micro_batch * work.tokens_per_sample).peak
+    return estimate(size, work, *work.pass_of(micro_batch)).peak
 
 
 @dataclass(frozen=True)
@@ -225,7 +252,7 @@ class MemoryPlan:
         chunk = self.work.chunk_tokens
         if chunk < 0:
             logits = "the LM head on a whole forward at once (--log-probs-chunk-size -1)"
-        elif chunk >= e.pass_tokens:
+        elif chunk >= self.work.pass_of(self.micro_batch)[1]:
             logits = f"the LM head in chunks of {chunk} tokens: one per forward"
         else:
             logits = f"the LM head and log-probs in chunks of {chunk} tokens"
@@ -247,9 +274,12 @@ class MemoryPlan:
             "log_probs_chunk_size": self.work.chunk_tokens,
         }
 
-    def rollout_estimate(self, pass_tokens: int) -> int:
-        """The peak expected of a rollout whose largest training forward had `pass_tokens`."""
-        return estimate(self.size, self.work, pass_tokens or self.work.tokens_per_sample).peak
+    def rollout_estimate(self, pass_tokens: int, logit_rows: int) -> int:
+        """The peak expected of a rollout whose largest training forward ran `pass_tokens`
+        tokens and scored `logit_rows` (as measured; 0: the plan's worst case)."""
+        if not pass_tokens:
+            pass_tokens, logit_rows = self.work.pass_of(self.micro_batch)
+        return estimate(self.size, self.work, pass_tokens, logit_rows).peak
 
 
 def plan_memory(
@@ -268,9 +298,7 @@ def plan_memory(
         micro, how = min(saved, work.samples), "saved"
     else:
         micro, how = choose_micro_batch(size, work, available), "chosen"
-    plan = MemoryPlan(
-        size, work, micro, how, available, estimate(size, work, micro * work.tokens_per_sample)
-    )
+    plan = MemoryPlan(size, work, micro, how, available, estimate(size, work, *work.pass_of(micro)))
     if available is None or plan.estimate.peak <= available:
         return plan
     need = f"needs ~{_gib(plan.estimate.peak)} per rank, more than the {_gib(available)} free"
