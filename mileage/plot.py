@@ -17,10 +17,13 @@ PANELS = (
     (("entropy",), "entropy"),
     (("lr",), "learning rate"),
     (("step_time",), "seconds / rollout"),
+    (("mem_peak_gib", "mem_estimate_gib"), "memory per rank (GiB)"),
 )
 LABELS = {
     "ppo_kl": "ppo_kl: drift from the sampling policy",
     "kl": "kl: KL to the reference model",
+    "mem_peak_gib": "peak RSS (measured)",
+    "mem_estimate_gib": "estimate (the plan's model)",
 }
 
 
@@ -52,8 +55,11 @@ def draw_metrics(records: list[dict], title: str):
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (keys, panel_title) in zip(axes.flat, PANELS, strict=True):
+    rows = -(-len(PANELS) // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(13, 3.25 * rows))
+    for ax in axes.flat[len(PANELS) :]:
+        ax.set_visible(False)
+    for ax, (keys, panel_title) in zip(axes.flat, PANELS, strict=False):
         curves = panel_curves(records, keys)
         for key, (xs, ys) in curves.items():
             marker = "o" if len(xs) < 30 else None

@@ -69,6 +69,8 @@ RECORDS_KILLS = (
 PRECISION = "tests/test_precision.py"
 MULTITURN = "tests/test_multiturn.py"
 AGENTS = "tests/test_agents.py"
+CHUNKED = "tests/test_chunked_logprobs.py"
+MEMORY = "tests/test_memory.py"
 README_TEST = "tests/test_readme.py"
 EVAL = "tests/test_evaluation.py"
 EVAL_RUN = f"{EVAL}::test_named_eval_sets_log_pass_at_k_and_mileage_eval_reproduces_them"
@@ -1084,8 +1086,10 @@ MUTANTS = [
         "mileage/loop.py",
         "    shaped = shape_rewards(drawn.samples, cfg.shaping, cfg.rollout.rollout_max_response_len)\n",
         "    shaped = drawn.samples\n",
-        (f"{COMPOSE}::test_async_dynamic_sampling_shaping_tools_and_lora_resume_exactly",
-         "tests/test_shaping.py"),
+        (
+            f"{COMPOSE}::test_async_dynamic_sampling_shaping_tools_and_lora_resume_exactly",
+            "tests/test_shaping.py",
+        ),
     ),
     Mutant(
         "async-buffer-not-saved",
@@ -1683,8 +1687,8 @@ MUTANTS = [
         "fp32-logits-in-training-too",
         "the switched head computes in fp32 in every forward, training's included",
         "mileage/models/lm_head.py",
-        '        if not getattr(_state, "active", False):\n',
-        "        if False:\n",
+        '        if getattr(_state, "on_hidden", None) is not None or not getattr(_state, "active", False):\n',
+        '        if getattr(_state, "on_hidden", None) is not None:\n',
         (
             "tests/test_lm_head.py::"
             "test_bf16_generation_samples_from_fp32_logits_and_training_keeps_bf16",
@@ -2198,6 +2202,39 @@ MUTANTS = [
         "            entry = None if state.diverged else self.journal.get(self.slot, self._key(row, call))",
         "            entry = self.journal.get(self.slot, self._key(row, call))",
         (f"{AGENTS}::test_the_journal_replays_a_rerun_and_stops_at_a_divergence",),
+    ),
+    Mutant(
+        "logprob-chunk-targets-misaligned",
+        "each chunk of the LM head scores the targets of the positions one row later",
+        "mileage/training/logprobs.py",
+        "            part = (flat[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens])",
+        "            shifted = flat_targets.roll(-1)\n"
+        "            part = (flat[start : start + chunk_tokens], shifted[start : start + chunk_tokens])",
+        (f"{CHUNKED}::test_chunked_log_probs_entropies_and_gradients_equal_the_unchunked_ones",),
+    ),
+    Mutant(
+        "logprob-head-entropy-is-the-logprob",
+        "the head's stacked output is read back with the log-prob where the entropy belongs",
+        "mileage/training/logprobs.py",
+        "    return stacked[..., 0], (stacked[..., 1] if with_entropy else None)",
+        "    return stacked[..., 0], (stacked[..., 0] if with_entropy else None)",
+        (f"{CHUNKED}::test_one_chunk_is_the_unchunked_arithmetic_bit_for_bit",),
+    ),
+    Mutant(
+        "memory-resume-rechooses-micro-batch",
+        "a resumed run chooses its micro-batch again instead of keeping the one it started with",
+        "mileage/preflight.py",
+        "        saved = recorded_micro_batch(plan.weights_from) or global_batch // world",
+        "        saved = None",
+        (f"{MEMORY}::test_a_resume_plans_the_micro_batch_its_checkpoint_records",),
+    ),
+    Mutant(
+        "memory-peak-never-reset",
+        "each rollout's peak is the process's lifetime peak",
+        "mileage/training/memory.py",
+        '            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)',
+        "            pass",
+        (f"{MEMORY}::test_peak_is_reset_per_rollout_and_recorded_with_the_estimate",),
     ),
 ]
 

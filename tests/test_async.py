@@ -175,7 +175,7 @@ def test_the_driver_clips_against_the_proximal_policy_and_weights_by_proximal_ov
         for i, lp in enumerate(behaviour)
     ]
     batch = pack_samples(samples, pad_id=0)
-    actor = SimpleNamespace(algo=AlgoConfig(), model=model, temperature=1.0)
+    actor = SimpleNamespace(algo=AlgoConfig(), model=model, temperature=1.0, chunk_tokens=-1)
     cfg = SimpleNamespace(asynchronous=AsyncConfig(), mismatch=MismatchConfig())
     run = SimpleNamespace(cfg=cfg, actor=actor, engine=None)
     stats = correct_off_policy(run, batch)
@@ -244,7 +244,7 @@ def test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it(t
         for i, lp in enumerate(engine)
     ]
     batch = pack_samples(samples, pad_id=0)
-    actor = SimpleNamespace(algo=AlgoConfig(), model=model, temperature=1.0)
+    actor = SimpleNamespace(algo=AlgoConfig(), model=model, temperature=1.0, chunk_tokens=-1)
     # by hand: row i under the weights of version i, fp32 log-softmax of the next token
     expected = torch.zeros_like(batch.old_logprobs)
     with torch.no_grad():

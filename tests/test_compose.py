@@ -2,7 +2,7 @@
 driver, and the tool journal proven with a tool whose answer is random on every call.
 
 - train-async (one-step-off) + dynamic sampling's filter + the overlong penalty + truncation
-  masking + multi-turn tools + LoRA: killed while a slot generates ahead and between a save's
+  masking + multi-turn tools + LoRA + chunked log-probs: killed while a slot generates ahead and between a save's
   rename and its tracker, rerun, and every tensor and metrics record equals the uninterrupted
   run's.
 - A tool answering with `os.urandom`: a rollout killed after it generated is generated again by
@@ -52,6 +52,9 @@ AGENTIC = [
     "--lora-rank", "4",
     "--lora-alpha", "8",
     "--target-modules", "all-linear",
+    # the LM head and log-probs a few tokens at a time (the built-in model's default is one
+    # chunk per forward), with the backward recomputing each chunk
+    "--log-probs-chunk-size", "8",
 ]  # fmt: skip
 AGENTIC_CHAIN = [
     Kill.at("async_generating", 2),  # slot 1 generating while rollout 0 trains

@@ -231,3 +231,45 @@ def test_plan_json_carries_the_estimate(tmp_path):
     parts = mem["parts"]
     assert mem["peak"] >= parts["runtime"] + parts["weights"] + parts["optimizer"]
     assert mem["available"] > 0 and mem["peak"] < mem["available"]
+
+
+def test_a_resume_plans_the_micro_batch_its_checkpoint_records(tmp_path):
+    """The micro-batch a run started with wins over what the machine would choose now (resumes
+    stay bit-exact); an explicit flag wins over both."""
+    from mileage.cli.main import build_parser
+    from mileage.preflight import preflight
+    from mileage.run_config import RunConfig
+
+    def parse_train_args(flags: list[str]) -> RunConfig:
+        return RunConfig.from_args(build_parser().parse_args(["train", *flags]))
+
+    save = tmp_path / "run"
+    args = [sys.executable, "-m", "mileage", "train", "--save", str(save), "--num-rollout", "1"]
+    args += ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--eval-interval", "0"]
+    # the built-in model's whole batch (16) would be chosen: the run starts with 4 instead
+    done = subprocess.run([*args, "--micro-batch-size", "4"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((save / "iter_0000000" / "meta.json").read_text())["micro_batch_size"] == 4
+    fresh = preflight(
+        parse_train_args(
+            [
+                "--save",
+                str(tmp_path / "other"),
+                "--num-rollout",
+                "1",
+                "--rollout-batch-size",
+                "4",
+                "--n-samples-per-prompt",
+                "4",
+            ]
+        )
+    )
+    assert fresh.plan.micro_batch == 16  # what a fresh start here chooses
+    flags = ["--save", str(save), "--load", str(save), "--num-rollout", "2"]
+    flags += ["--rollout-batch-size", "4"]
+    flags += ["--n-samples-per-prompt", "4", "--eval-interval", "0"]
+    plan = preflight(parse_train_args(flags)).plan
+    assert plan.action == "resume" and plan.micro_batch == 4
+    assert "micro-batch 4 samples (as the run chose at its start" in plan.memory_line
+    given = preflight(parse_train_args([*flags, "--micro-batch-size", "8"])).plan
+    assert given.micro_batch == 8 and "(--micro-batch-size)" in given.memory_line
