@@ -65,6 +65,7 @@ ARGS = [
     "--rollout-shuffle",
     "--eval-interval", "0",
     "--num-threads", "1",
+    "--log-probs-chunk-size", "3",  # the LM head a few tokens at a time under FSDP2, remainder too
 ]  # fmt: skip
 ROLLOUTS = "rollouts/{rollout_id}.json"  # the reference's samples, under its parent directory
 
