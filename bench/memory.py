@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from _common import DEFAULT_THREADS, machine_info, output_path, print_table, write_results
+from checkpoint import output
 from rl_step import run_measured
 
 WORKLOADS = {"64x128": (8, 8, 128), "128x128": (16, 8, 128), "16x1024": (2, 8, 1024)}
@@ -132,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             ("response_len", "response len"),
         ],
     )
-    write_results(out, {"machine": machine_info(args.threads), "rows": rows})
+    machine = machine_info(args.threads)
+    dirty = " + uncommitted mileage/" if output("git", "status", "--porcelain", "mileage") else ""
+    machine["code"] = output("git", "rev-parse", "--short", "HEAD") + dirty
+    write_results(out, {"machine": machine, "rows": rows})
     return 0
 
 
