@@ -12,6 +12,7 @@ layer first (`layer.compile(dynamic=True)`, inductor) and reports how long that 
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision bf16 --plain
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision bf16 --compile
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision fp32 --chunk -1
+    python bench/train_pass.py --model-dir "$(mileage smollm2)" --gradient-checkpointing
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain", action="store_true", help="every row whole: no shared prompts")
     p.add_argument("--compile", action="store_true", help="compile each decoder layer first")
     p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer in the backward (every row whole, as the actor runs)",
+    )
+    p.add_argument(
         "--chunk", type=int, default=None, help="--log-probs-chunk-size (default: mileage's)"
     )
     args = p.parse_args(argv)
@@ -57,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     chunk = AlgoConfig(log_probs_chunk_size=args.chunk).chunk_tokens(model.config.vocab_size)
     if args.plain:
         batch.prompt_lens = None  # the actor's plain forward
+    if args.gradient_checkpointing:
+        from mileage.models.activation_checkpointing import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
 
     def one_pass() -> float:
         start = time.perf_counter()
@@ -82,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         one_pass()
     times = sorted(one_pass() for _ in range(args.repeats))
     cpu = machine_info(args.threads)["cpu"]
-    mode = "plain" if args.plain else "each prompt once"
+    mode = "plain" if args.plain or args.gradient_checkpointing else "each prompt once"
+    mode += ", layers checkpointed" if args.gradient_checkpointing else ""
     print(
         f"{cpu['model']} ({', '.join(cpu['flags'])}), {args.threads} threads; {args.precision}, "
         f"{args.prompts}x{args.samples} rows, {args.prompt_len}-token prompts, {mode}, "

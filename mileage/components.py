@@ -45,6 +45,7 @@ from mileage.distributed.checkpoint import rng_of_this_rank
 from mileage.distributed.coordination import stop_together
 from mileage.distributed.setup import distribute_run
 from mileage.metrics import MetricsLog
+from mileage.models.activation_checkpointing import enable_activation_checkpointing
 from mileage.models.hf import (
     load_tokenizer,
     read_config_json,
@@ -155,6 +156,9 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
                 model, plan.critic_from, config_dir, cfg.loop.seed, start_from=start
             )
         )
+    if cfg.parallel.gradient_checkpointing:  # before sharding, as torchtitan applies it
+        layers = enable_activation_checkpointing(model, value_model)
+        log(f"activation checkpointing: {layers} decoder layers recompute their forward")
     if env.is_distributed():  # FSDP2 over the ranks, and the engine wrapped for them
         model, reference, engine = distribute_run(
             model,

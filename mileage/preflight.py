@@ -149,7 +149,8 @@ def memory_plan(
         overlapped=asynchronous,
         cuda=env.device().type == "cuda",
         group=rc.n_samples_per_prompt,
-        shared_prompts=world == 1,
+        shared_prompts=world == 1 and not cfg.parallel.gradient_checkpointing,
+        activation_checkpointing=cfg.parallel.gradient_checkpointing,
     )
     saved = None
     if plan.action == RESUME and plan.weights_format == "native":

@@ -71,6 +71,7 @@ MULTITURN = "tests/test_multiturn.py"
 AGENTS = "tests/test_agents.py"
 CHUNKED = "tests/test_chunked_logprobs.py"
 MEMORY = "tests/test_memory.py"
+RECOMPUTE = "tests/test_activation_checkpointing.py"
 README_TEST = "tests/test_readme.py"
 EVAL = "tests/test_evaluation.py"
 EVAL_RUN = f"{EVAL}::test_named_eval_sets_log_pass_at_k_and_mileage_eval_reproduces_them"
@@ -2235,6 +2236,24 @@ MUTANTS = [
         '            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)',
         "            pass",
         (f"{MEMORY}::test_peak_is_reset_per_rollout_and_recorded_with_the_estimate",),
+    ),
+    Mutant(
+        "recompute-without-rng-state",
+        "a checkpointed layer recomputes its forward with the RNG moved on (other dropout masks)",
+        "mileage/models/activation_checkpointing.py",
+        '                module.activation_checkpointing_enable({"use_reentrant": False})',
+        "                module.activation_checkpointing_enable(\n"
+        '                    {"use_reentrant": False, "preserve_rng_state": False}\n'
+        "                )",
+        (f"{RECOMPUTE}::test_checkpointed_gradients_equal_the_kept_ones_with_dropout",),
+    ),
+    Mutant(
+        "recompute-shares-prompt-cache",
+        "the shared-prompt forward runs on checkpointed layers, which drop its KV cache",
+        "mileage/training/shared_prompt.py",
+        "        or (model.training and checkpointed_layers(model))",
+        "        or False",
+        (f"{RECOMPUTE}::test_checkpointed_training_forward_runs_every_row_whole",),
     ),
 ]
 

@@ -55,6 +55,7 @@ AGENTIC = [
     # the LM head and log-probs a few tokens at a time (the built-in model's default is one
     # chunk per forward), with the backward recomputing each chunk
     "--log-probs-chunk-size", "8",
+    "--gradient-checkpointing",  # each layer recomputed in the backward, LoRA's layers too
 ]  # fmt: skip
 AGENTIC_CHAIN = [
     Kill.at("async_generating", 2),  # slot 1 generating while rollout 0 trains

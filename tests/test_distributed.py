@@ -66,6 +66,7 @@ ARGS = [
     "--eval-interval", "0",
     "--num-threads", "1",
     "--log-probs-chunk-size", "3",  # the LM head a few tokens at a time under FSDP2, remainder too
+    "--gradient-checkpointing",  # FSDP2's layers recomputed in the backward
 ]  # fmt: skip
 ROLLOUTS = "rollouts/{rollout_id}.json"  # the reference's samples, under its parent directory
 

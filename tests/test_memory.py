@@ -223,10 +223,13 @@ def test_cli_refuses_an_infeasible_micro_batch_before_generating(tmp_path, tiny_
 
 def test_plan_json_carries_the_estimate(tmp_path):
     args = [sys.executable, "-m", "mileage", "plan", "--json", "--save", str(tmp_path / "r")]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*args, "--gradient-checkpointing"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout[done.stdout.index("{") :])
     mem = plan["memory"]
+    assert mem["activation_checkpointing"] is True  # the flag reaches the estimate
     assert plan["micro_batch"] == mem["micro_batch"] and mem["micro_batch_from"] == "chosen"
     parts = mem["parts"]
     assert mem["peak"] >= parts["runtime"] + parts["weights"] + parts["optimizer"]

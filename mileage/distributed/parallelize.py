@@ -33,6 +33,12 @@ class ParallelConfig:
         "under torchrun on GPUs: bf16 parameters in forward/backward, fp32 gradient reduction",
         choices=("none", "bf16"),
     )
+    gradient_checkpointing: bool = option(
+        False,
+        "recompute each decoder layer's forward in the backward instead of keeping its "
+        "activations (the actor's and the critic's, in one process or under FSDP2): a fraction "
+        "of the activation memory for one more forward per step",
+    )
 
     def validate(self, world_size: int, global_batch: int, micro_batch: int) -> None:
         if global_batch % world_size:

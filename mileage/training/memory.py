@@ -6,7 +6,8 @@ The estimate counts, in bytes per rank:
   context is outside `torch.cuda.mem_get_info`'s free memory before the run allocates);
 - the fp32 master weights, their gradients and AdamW's two moments (sharded over the ranks
   under FSDP2, plus one decoder layer gathered whole), and a reference model or a critic;
-- the activations autograd keeps for a micro-batch: per token and decoder layer
+- the activations autograd keeps for a micro-batch (with `--gradient-checkpointing`, each
+  layer's input and one layer's intermediates at a time): per token and decoder layer
   `ACT_HIDDEN` x hidden + `ACT_INTERMEDIATE` x intermediate values (the norms, projections,
   rotary and MLP products of a Llama layer: 14.7k fp32 values on SmolLM2, measured 1.68 MiB per
   token over its 30 layers), `BF16_ACTIVATIONS` of that under bf16 autocast (the residual
@@ -121,6 +122,7 @@ class Workload:
     cuda: bool = False
     group: int = 1  # samples per prompt: consecutive rows that share one
     shared_prompts: bool = True  # each distinct prompt's forward runs once (not under FSDP2)
+    activation_checkpointing: bool = False  # --gradient-checkpointing
 
     @property
     def tokens_per_sample(self) -> int:
@@ -153,8 +155,13 @@ def estimate(size: ModelSize, work: Workload, pass_tokens: int, logit_rows: int)
     n = max(work.world_size, 1)
     gathered = size.layer_params * FP32 if n > 1 else 0
     state = size.params * FP32 // n + gathered
+    layer = (ACT_HIDDEN * size.hidden + ACT_INTERMEDIATE * size.intermediate) * FP32
+    # checkpointed (--gradient-checkpointing): each layer keeps its input, and one layer's
+    # intermediates exist at a time, while the backward recomputes it
     per_token = int(
-        size.layers * (ACT_HIDDEN * size.hidden + ACT_INTERMEDIATE * size.intermediate) * FP32
+        size.layers * size.hidden * FP32 + layer
+        if work.activation_checkpointing
+        else size.layers * layer
     )
     if work.bf16:
         per_token = int(per_token * BF16_ACTIVATIONS)
@@ -260,6 +267,11 @@ class MemoryPlan:
             f"memory: peak ~{_gib(e.peak)}{free} per rank ({shown}); micro-batch "
             f"{self.micro_batch} samples ({how}) of up to {self.work.tokens_per_sample} tokens; "
             + logits
+            + (
+                "; decoder layers recomputed in the backward"
+                if self.work.activation_checkpointing
+                else ""
+            )
         )
 
     def to_dict(self) -> dict:
@@ -272,6 +284,7 @@ class MemoryPlan:
             "tokens_per_sample": self.work.tokens_per_sample,
             "activation_bytes_per_token": self.estimate.per_token,
             "log_probs_chunk_size": self.work.chunk_tokens,
+            "activation_checkpointing": self.work.activation_checkpointing,
         }
 
     def rollout_estimate(self, pass_tokens: int, logit_rows: int) -> int:

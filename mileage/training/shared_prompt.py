@@ -31,6 +31,7 @@ from collections.abc import Mapping
 
 import torch
 
+from mileage.models.activation_checkpointing import checkpointed_layers
 from mileage.models.kv_cache import expand_rows, shareable_cache
 from mileage.precision import autocast
 from mileage.training.batch import TrainBatch
@@ -59,11 +60,13 @@ def shared_prompt_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`sequence_logprobs(model, batch, ...)` with each distinct prompt run once, or None when
     no prompt repeats in `batch`, its prompt lengths are unknown, a prompt is a single token, or
-    the model cannot run that way (no cache keyword, layers whose cache cannot be copied, or
-    sharded parameters)."""
+    the model cannot run that way (no cache keyword, layers whose cache cannot be copied,
+    sharded parameters, or layers checkpointed in training mode: Hugging Face's checkpointed
+    layers take no cache there)."""
     if (
         batch.prompt_lens is None
         or _sharded(model)
+        or (model.training and checkpointed_layers(model))
         or not {"cache", "position_ids", "logits_to_keep"} <= set(forward_parameters(model))
     ):
         return None
