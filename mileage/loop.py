@@ -31,7 +31,7 @@ from mileage.rollout.shaping import shape_rewards
 from mileage.sources import Drawn, RolloutSource, sync_engine
 from mileage.training.batch import TrainBatch, mask_truncated, pack_samples
 from mileage.training.finite import NonFiniteError, check_checkpoint
-from mileage.training.memory import peak_record, reset_peak
+from mileage.training.memory_use import peak_record, reset_peak
 
 
 def can_eval(run: Run) -> bool:

@@ -54,13 +54,8 @@ from mileage.rollout.sizes import (
 from mileage.rollout.vfenv import check_one_turn
 from mileage.run_config import RunConfig
 from mileage.tracking import check_tracking
-from mileage.training.memory import (
-    MemoryPlan,
-    Workload,
-    available_memory,
-    model_size,
-    plan_memory,
-)
+from mileage.training.memory import MemoryPlan, Workload, model_size, plan_memory
+from mileage.training.memory_use import available_memory
 
 # the prompts (longest in UTF-8 bytes) whose token count bounds a sample's: encoding every
 # prompt of a large dataset would make the plan slow, and a longer byte count almost always

@@ -2232,7 +2232,7 @@ MUTANTS = [
     Mutant(
         "memory-peak-never-reset",
         "each rollout's peak is the process's lifetime peak",
-        "mileage/training/memory.py",
+        "mileage/training/memory_use.py",
         '            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)',
         "            pass",
         (f"{MEMORY}::test_peak_is_reset_per_rollout_and_recorded_with_the_estimate",),

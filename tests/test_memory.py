@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mileage.errors import UserError
-from mileage.training import memory
+from mileage.training import memory, memory_use
 from mileage.training.memory import (
     GiB,
     Workload,
@@ -167,14 +167,14 @@ def test_nothing_fits_names_what_to_change():
 
 
 def test_peak_is_reset_per_rollout_and_recorded_with_the_estimate():
-    memory.reset_peak(torch.device("cpu"))
-    before = memory.peak_record(torch.device("cpu"), 2 * GiB)
+    memory_use.reset_peak(torch.device("cpu"))
+    before = memory_use.peak_record(torch.device("cpu"), 2 * GiB)
     held = bytearray(300 << 20)
     held[::4096] = b"x" * len(held[::4096])  # touch every page
-    during = memory.peak_record(torch.device("cpu"), None)
+    during = memory_use.peak_record(torch.device("cpu"), None)
     del held
-    memory.reset_peak(torch.device("cpu"))
-    after = memory.peak_record(torch.device("cpu"), None)
+    memory_use.reset_peak(torch.device("cpu"))
+    after = memory_use.peak_record(torch.device("cpu"), None)
     assert before["mem_estimate_gib"] == 2.0 and "mem_estimate_gib" not in during
     assert during["mem_peak_gib"] - before["mem_peak_gib"] > 0.25
     assert after["mem_peak_gib"] < during["mem_peak_gib"] - 0.25  # the reset forgot it
