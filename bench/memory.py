@@ -12,6 +12,8 @@ Arms, each a fresh `mileage train` process (2 rollouts; the second is the timed 
     whole      the path before memory budgets: `--log-probs-chunk-size -1` and the rollout in one
                micro-batch (`--micro-batch-size` = every sample)
     defaults   no memory flag: log-probs in chunks, the micro-batch chosen from the budget
+    checkpointed  the defaults with `--gradient-checkpointing` (the budget then fits more samples
+               per micro-batch; not run unless named in --arms)
 
 The peak RSS is the process's (wait4), so it covers generation, training and the weight
 hand-over; `mem_peak_gib` and `mem_estimate_gib` of each rollout come from metrics.jsonl, and
@@ -21,6 +23,7 @@ into the kernel's OOM killer.
 
     python bench/memory.py --model-dir "$(mileage smollm2)"
     python bench/memory.py --model-dir "$(mileage smollm2)" --workloads 64x128 --arms defaults
+    python bench/memory.py --model-dir "$(mileage smollm2)" --arms defaults,checkpointed
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ def run_arm(model_dir: str, workload: str, arm: str, threads: int, data: Path) -
         ]  # fmt: skip
         if arm == "whole":
             cmd += ["--log-probs-chunk-size", "-1", "--micro-batch-size", str(prompts * samples)]
+        elif arm == "checkpointed":
+            cmd += ["--gradient-checkpointing"]
         code, wall, rss_mib, output = run_measured(cmd)
         metrics = Path(save) / "metrics.jsonl"
         records = (

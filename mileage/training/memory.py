@@ -6,8 +6,8 @@ The estimate counts, in bytes per rank:
   context is outside `torch.cuda.mem_get_info`'s free memory before the run allocates);
 - the fp32 master weights, their gradients and AdamW's two moments (sharded over the ranks
   under FSDP2, plus one decoder layer gathered whole), and a reference model or a critic;
-- the activations autograd keeps for a micro-batch (with `--gradient-checkpointing`, each
-  layer's input and one layer's intermediates at a time): per token and decoder layer
+- the activations autograd keeps for a micro-batch (with `--gradient-checkpointing`,
+  `ACT_CHECKPOINTED` x hidden values per token and layer, measured): per token and decoder layer
   `ACT_HIDDEN` x hidden + `ACT_INTERMEDIATE` x intermediate values (the norms, projections,
   rotary and MLP products of a Llama layer: 14.7k fp32 values on SmolLM2, measured 1.68 MiB per
   token over its 30 layers), `BF16_ACTIVATIONS` of that under bf16 autocast (the residual
@@ -37,6 +37,11 @@ from mileage.training.memory_use import GiB
 
 RUNTIME_BYTES = 400 << 20  # RSS of a `mileage train` process before its model is built (CPU)
 ACT_HIDDEN, ACT_INTERMEDIATE = 12, 5
+# with each decoder layer checkpointed, what the peak still grows by per token and layer, in
+# hidden-sized values: measured on SmolLM2 in fp32 (bench/train_pass.py, 8 and 16 rows of 571
+# tokens: 0.69 MB per token against 1.51 MB without). Autograd keeps only each layer's input
+# (1 value of 10); the rest is the backward's transient buffers and the memory the allocator keeps
+ACT_CHECKPOINTED = 10
 BF16_ACTIVATIONS = 0.78  # SmolLM2: 1.31 MiB per token in bf16 against 1.68 in fp32
 # fp32 logit-sized buffers alive at once: the head's output (kept for the backward), its
 # gradient, and a block's working copies; SmolLM2's unchunked pass of 16 x 129 positions took
@@ -150,14 +155,11 @@ def estimate(size: ModelSize, work: Workload, pass_tokens: int, logit_rows: int)
     n = max(work.world_size, 1)
     gathered = size.layer_params * FP32 if n > 1 else 0
     state = size.params * FP32 // n + gathered
-    layer = (ACT_HIDDEN * size.hidden + ACT_INTERMEDIATE * size.intermediate) * FP32
-    # checkpointed (--gradient-checkpointing): each layer keeps its input, and one layer's
-    # intermediates exist at a time, while the backward recomputes it
-    per_token = int(
-        size.layers * size.hidden * FP32 + layer
-        if work.activation_checkpointing
-        else size.layers * layer
-    )
+    if work.activation_checkpointing:  # --gradient-checkpointing
+        per_token = size.layers * ACT_CHECKPOINTED * size.hidden * FP32
+    else:
+        per_token = size.layers * (ACT_HIDDEN * size.hidden + ACT_INTERMEDIATE * size.intermediate)
+        per_token *= FP32
     if work.bf16:
         per_token = int(per_token * BF16_ACTIVATIONS)
     tokens = pass_tokens
