@@ -55,13 +55,18 @@ def peak_record(device: torch.device, estimate_bytes: int | None) -> dict[str, f
     return record
 
 
-def _status_kib(key: str) -> int | None:
+def _proc_kib(path: str, key: str) -> int | None:
+    """The `key: N kB` line of a /proc file (None where there is none: not Linux)."""
     try:
-        text = Path("/proc/self/status").read_text()
+        text = Path(path).read_text()
     except OSError:
         return None
     found = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
     return int(found.group(1)) if found else None
+
+
+def _status_kib(key: str) -> int | None:
+    return _proc_kib("/proc/self/status", key)
 
 
 def _rss_bytes() -> int | None:
@@ -77,12 +82,8 @@ def _peak_rss_bytes() -> int:
 
 
 def _meminfo(key: str) -> int | None:
-    try:
-        text = Path("/proc/meminfo").read_text()
-    except OSError:
-        return None
-    found = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(found.group(1)) << 10 if found else None
+    kib = _proc_kib("/proc/meminfo", key)
+    return None if kib is None else kib << 10
 
 
 def _cgroup_room() -> int | None:
