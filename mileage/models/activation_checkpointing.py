@@ -5,7 +5,7 @@ A training forward keeps every layer's intermediate tensors for the backward: fo
 layer keeps only its input, and the backward runs the layer's forward again to rebuild the rest:
 one more forward per step, for a fraction of the memory.
 
-It is Hugging Face's own mechanism (`gradient_checkpointing_enable`), non-reentrant
+It is Hugging Face's own mechanism (`activation_checkpointing_enable`), non-reentrant
 (`torch.utils.checkpoint`, `use_reentrant=False`): parameter names, the state dict and FSDP2's
 sharding stay as they are (FSDP2 skips its forward hooks while a backward recomputes, so the
 layer is gathered once), inputs need not require grad (a LoRA policy's frozen embeddings), and
