@@ -203,6 +203,14 @@ class AdapterDisabled:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    @property
+    def training(self) -> bool:
+        return self.peft_model.training
+
+    def modules(self):
+        """The adapted model's modules: whether its layers are checkpointed is the policy's."""
+        return self.peft_model.modules()
+
     def to(self, *args, **kwargs) -> AdapterDisabled:
         """Nothing to move: the weights are the policy's, which move with it."""
         return self
