@@ -37,9 +37,11 @@ def verify_sources(sources: list[tuple[str | None, str | None]]) -> None:
 
 def plan_sources(plan: ResumePlan, reference: tuple[str | None, str | None]) -> list:
     """What a run reads: the plan's weights (a resume: also its optimizer, RNG, trainer state,
-    buffer and kept old actors), the reference or LoRA base, and PPO's critic checkpoint."""
+    buffer and kept old actors), the reference or LoRA base, PPO's critic checkpoint and the
+    OPD teacher."""
     critic = (plan.critic_from, "native") if plan.critic else (None, None)
-    return [(plan.weights_from, plan.weights_format), reference, critic]
+    teacher = (plan.teacher_from, plan.teacher_format)
+    return [(plan.weights_from, plan.weights_format), reference, critic, teacher]
 
 
 def load_weights(path: str, fmt: str, config_dir: str) -> torch.nn.Module:
@@ -124,6 +126,20 @@ def load_policy(
         if reference is not None:
             reference.to(env.device())
     return model, reference, lora
+
+
+def load_teacher(plan: ResumePlan, config_dir: str, log) -> torch.nn.Module | None:
+    """--use-opd: the frozen teacher in the plan's precision (None without). An HF teacher
+    brings its own architecture; a native one is the student's (`plan_teacher` checked it)."""
+    if plan.teacher_from is None:
+        return None
+    architecture = plan.teacher_from if plan.teacher_format == "hf" else config_dir
+    teacher = _load(plan.teacher_from, plan.teacher_format, architecture).requires_grad_(False)
+    set_precision(teacher, plan.precision)
+    if not env.is_distributed():  # torchrun ranks shard it (components.build_run)
+        teacher.to(env.device())
+    log(f"teacher model: {plan.teacher_from} ({plan.teacher_format})")
+    return teacher
 
 
 def rollout_engine(

@@ -14,6 +14,7 @@ import torch
 from mileage.build import (
     checkpoint_writer,
     load_policy,
+    load_teacher,
     plan_sources,
     rollout_engine,
     verify_sources,
@@ -43,6 +44,7 @@ from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
 from mileage.distributed.checkpoint import rng_of_this_rank
 from mileage.distributed.coordination import stop_together
+from mileage.distributed.parallelize import shard_from_rank0
 from mileage.distributed.setup import distribute_run
 from mileage.metrics import MetricsLog
 from mileage.models.activation_checkpointing import enable_activation_checkpointing
@@ -145,6 +147,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
     sources = plan_sources(plan, (ref_path, ref_fmt))
     stop_together(lambda: verify_sources(sources) if env.is_main() else None)
     model, reference, lora = load_policy(cfg, plan, (ref_path, ref_fmt), config_dir, log)
+    teacher = load_teacher(plan, config_dir, log)
     engine = rollout_engine(cfg, model, tokenizer, lora, config_dir, log)
     # PPO: the critic starts from the actor's loaded weights (a LoRA actor's merged), so it is
     # copied before sharding
@@ -172,6 +175,8 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
             adapters=engine is not None and lora is not None and takes_adapters(engine),
             log=log,
         )
+        if teacher is not None:  # sharded as the reference is
+            shard_from_rank0(teacher, cfg.parallel)
     optimizer = build_optimizer(model, cfg.optim)
     # the micro-batch the plan settled (given, saved by the run, or chosen from memory)
     algo = replace(cfg.algo, micro_batch_size=plan.micro_batch or cfg.algo.micro_batch_size)
@@ -206,6 +211,8 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         critic=critic,
         dropout_seed=cfg.loop.seed if lora is not None and cfg.lora.lora_dropout else None,
         finite=cfg.finite,
+        teacher=teacher,
+        opd_kl_coef=cfg.opd.opd_kl_coef,
     )
     resumed = read_json(plan.weights_from, TRAINER_STATE) if plan.action == RESUME else {}
     wandb_run_id = resumed.get("tracking", {}).get("wandb_run_id")

@@ -54,6 +54,7 @@ from mileage.rollout.sizes import (
 from mileage.rollout.vfenv import check_one_turn
 from mileage.run_config import RunConfig
 from mileage.tracking import check_tracking
+from mileage.training.distill import plan_teacher
 from mileage.training.memory import MemoryPlan, Workload, model_size, plan_memory
 from mileage.training.memory_use import available_memory
 
@@ -117,6 +118,7 @@ def memory_plan(
     plan: ResumePlan,
     asynchronous: bool,
     local_engine: bool,
+    teacher_params: int = 0,
 ) -> MemoryPlan:
     """The micro-batch and the memory estimate of this run, per rank (`mileage.training.memory`):
     refused here, before any generation, where it cannot fit."""
@@ -140,6 +142,7 @@ def memory_plan(
         chunk_tokens=cfg.algo.chunk_tokens(size.vocab),
         world_size=world,
         reference=cfg.algo.needs_reference,
+        teacher_params=teacher_params,
         critic=plan.critic,
         overlapped=asynchronous,
         cuda=env.device().type == "cuda",
@@ -228,8 +231,18 @@ def preflight(cfg: RunConfig, asynchronous: bool = False) -> Preflight:
         built = DirState(flags.hf_checkpoint, True, hf_config=model_config, hf_weights=True)
         disk = replace(disk, hf_checkpoint=built)
     plan, memory = plan_start(flags, disk), None
+    teacher_params = 0
+    if cfg.opd.use_opd and plan.action != COMPLETE:
+        teacher, line = plan_teacher(cfg.opd, tokenizer, hf_checkpoint_path(cfg), model_config)
+        plan = replace(
+            plan, teacher_from=teacher.path, teacher_format=teacher.fmt, teacher_line=line
+        )
+        teacher_config = read_config_json(teacher.path) if teacher.fmt == "hf" else model_config
+        teacher_params = model_size(teacher_config).params
     if plan.action != COMPLETE:
-        memory = memory_plan(cfg, model_config, encode, prompts, plan, asynchronous, local)
+        memory = memory_plan(
+            cfg, model_config, encode, prompts, plan, asynchronous, local, teacher_params
+        )
         plan = replace(
             plan,
             micro_batch=memory.micro_batch,

@@ -28,6 +28,7 @@ from mileage.rollout.userfn import HookConfig
 from mileage.tracking import TrackingConfig
 from mileage.training.actor import AlgoConfig
 from mileage.training.critic import CriticConfig
+from mileage.training.distill import OpdConfig
 from mileage.training.finite import FiniteConfig
 from mileage.training.mismatch import MismatchConfig
 from mileage.training.optimizer import OptimConfig
@@ -147,6 +148,7 @@ SECTIONS = (
     ("shaping", ShapingConfig, "overlong shaping and truncation masking"),
     ("algo", AlgoConfig, "algorithm"),
     ("critic", CriticConfig, "PPO critic"),
+    ("opd", OpdConfig, "on-policy distillation (docs/distillation.md)"),
     ("optim", OptimConfig, "optimizer"),
     ("finite", FiniteConfig, "non-finite values (NaN/inf in a loss, gradient or weight)"),
     ("lora", LoraConfig, "LoRA (PEFT)"),
@@ -172,6 +174,7 @@ class RunConfig:
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    opd: OpdConfig = field(default_factory=OpdConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     finite: FiniteConfig = field(default_factory=FiniteConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -277,7 +280,7 @@ class RunConfig:
         return tuple(
             (flag_of(type(getattr(self, section)), name), getattr(getattr(self, section), name))
             for section, name in self.TRAJECTORY
-        )
+        ) + self.opd.settings()
 
     def validate(self) -> None:
         r = self.rollout
@@ -305,6 +308,7 @@ class RunConfig:
         self.algo.validate(r.n_samples_per_prompt)
         self.checkpoint.validate()
         self.critic.validate(self.algo.advantage_estimator)
+        self.opd.validate()
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
         self.engine.validate()
         self.multiturn.validate()

@@ -124,11 +124,18 @@ class ResumePlan:
     micro_batch: int | None = None
     memory: dict | None = field(default=None, compare=False)
     memory_line: str = field(default="", compare=False)
+    # --use-opd: the teacher's weights (path, "hf" or "native"), verified with the rest, and
+    # what its term adds to the advantage
+    teacher_from: str | None = None
+    teacher_format: str | None = None
+    teacher_line: str = field(default="", compare=False)
 
     def to_json(self) -> str:
         data = asdict(self)
         data["reasons"] = list(self.reasons)
-        del data["memory_line"]
+        del data["memory_line"], data["teacher_line"]
+        if self.teacher_from is None:  # the teacher's part only appears with --use-opd
+            del data["teacher_from"], data["teacher_format"]
         if not self.critic:  # the critic's part of the plan only appears for PPO
             for key in ("critic", "critic_from", "critic_state"):
                 del data[key]
@@ -160,6 +167,8 @@ class ResumePlan:
         ]
         if self.memory_line:
             lines.append(f"  {self.memory_line}")
+        if self.teacher_line:
+            lines.append(f"  {self.teacher_line}")
         if self.critic:
             lines.append(
                 "  critic: "

@@ -7,7 +7,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mileage.checkpoint.layout import TRACKER, CheckpointInfo, DirState
+from mileage.checkpoint.layout import (
+    MANIFEST,
+    TRACKER,
+    CheckpointInfo,
+    DirState,
+    config_differences,
+    inspect_checkpoint,
+    scan_dir,
+)
 from mileage.errors import UserError
 
 
@@ -72,3 +80,45 @@ def bad_tracker(state: DirState) -> None:
         f"number nor 'release'; complete checkpoints there: {list_complete(state)}. Fix the file or "
         f"pass --ckpt-step; nothing was changed"
     )
+
+
+def teacher_source(path: str, step: int | None, model_config: dict | None) -> Source:
+    """Where `--opd-teacher-load` points: a Hugging Face model directory, a checkpoint directory
+    (its tracker's iteration, or `step`), or one iter_N directory. A native teacher must be of
+    the student's architecture (it loads into the student's config); another architecture goes
+    in as an HF directory (`mileage export-hf`)."""
+    flag = "--opd-teacher-load"
+    if os.path.isfile(os.path.join(path, MANIFEST)):  # an iter_N or release directory itself
+        if step is not None:
+            raise UserError(f"{flag} {path} is one checkpoint; --opd-teacher-ckpt-step is for a run directory")
+        info = inspect_checkpoint(path)
+        if not info.complete:
+            raise UserError(f"{flag} {path} is incomplete ({info.problem})")
+        source = Source(path, "native", info.meta.get("rollout_id"), info, f"{flag} {path}")
+    else:
+        state = scan_dir(path)
+        if not state.exists:
+            raise UserError(f"{flag} {path} does not exist")
+        if state.is_native:
+            source = native_source(state, step, "--opd-teacher-ckpt-step")
+        elif state.is_hf:
+            if step is not None:
+                raise UserError(
+                    f"{flag} {path} is a Hugging Face model directory; --opd-teacher-ckpt-step "
+                    "is for a mileage checkpoint directory"
+                )
+            return Source(path, "hf", None, None, f"{flag} {path}")
+        else:
+            raise UserError(
+                f"{flag} {path} is neither a Hugging Face model directory (config.json and "
+                "weights) nor a mileage checkpoint directory"
+            )
+    saved = source.info.meta.get("model_config") if source.info is not None else None
+    if saved is not None and model_config is not None:
+        diffs = config_differences(saved, model_config)
+        if diffs:
+            raise UserError(
+                f"{flag}: {source.path} is another architecture than the student's "
+                f"({'; '.join(diffs)}); export it with `mileage export-hf` and pass that directory"
+            )
+    return source

@@ -27,6 +27,7 @@ from mileage.training.corrections import opsm_keep
 from mileage.training.critic import Critic
 from mileage.training.finite import FiniteConfig, NonFiniteError, bad_stat, check_tensors
 from mileage.training.logprobs import model_logprobs, token_logprobs
+from mileage.training.distill import distill_advantages
 from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss
 from mileage.training.optimizer import LRSchedule
 from mileage.training.shared_prompt import forward_parameters, shared_prompt_logprobs
@@ -124,6 +125,8 @@ class Actor:
         critic: Critic | None = None,
         dropout_seed: int | None = None,
         finite: FiniteConfig | None = None,
+        teacher: torch.nn.Module | None = None,
+        opd_kl_coef: float = 0.0,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -134,6 +137,10 @@ class Actor:
         self.clip_grad = clip_grad
         self.reference = reference
         self.critic = critic
+        # --use-opd: the frozen teacher whose log-probs enter the advantage (training/distill.py)
+        self.teacher = teacher
+        self.opd_kl_coef = opd_kl_coef
+        self.opd_reverse_kl: float | None = None  # the last prepared rollout's
         # set when training uses dropout (LoRA): each optimizer step draws its dropout masks
         # from a generator seeded by (seed, step), so a resumed run drops the same units
         self.dropout_seed = dropout_seed
@@ -149,24 +156,25 @@ class Actor:
         self._embedded = _count_embedded_tokens(model)
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: TrainBatch, micro: int) -> torch.Tensor:
+    def _frozen_logprobs(self, model, batch: TrainBatch, micro: int) -> torch.Tensor:
+        """Log-probs of `batch`'s tokens under a frozen model (the reference or the teacher),
+        in target space; zero outside the response."""
         out = torch.zeros_like(batch.old_logprobs)
         for start in range(0, len(batch), micro):
             part = batch.slice(start, start + micro)
-            logp, _ = sequence_logprobs(
-                self.reference, part, self.temperature, chunk_tokens=self.chunk_tokens
-            )
+            logp, _ = sequence_logprobs(model, part, self.temperature, chunk_tokens=self.chunk_tokens)
             first = part.target_offset
             out[start : start + micro, first : first + logp.shape[1]] = logp
         return out
 
     def prepare(self, batch: TrainBatch, micro: int) -> None:
-        """Attach reference log-probs (if any) and advantages."""
+        """Attach reference log-probs (if any) and advantages, with the teacher's term under
+        --use-opd."""
         algo = self.algo
         check_tensors("a reward", [("rewards", batch.rewards)])
         token_kl = None
         if self.reference is not None:
-            batch.ref_logprobs = self._reference_logprobs(batch, micro)
+            batch.ref_logprobs = self._frozen_logprobs(self.reference, batch, micro)
             if algo.kl_coef:
                 token_kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, algo.kl_loss_type)
         if self.critic is not None:
@@ -184,6 +192,11 @@ class Actor:
             values=batch.values,
             normalize=algo.normalize_advantages,
         )
+        if self.teacher is not None:
+            teacher = self._frozen_logprobs(self.teacher, batch, micro)
+            batch.advantages, self.opd_reverse_kl = distill_advantages(
+                batch.advantages, batch.old_logprobs, teacher, batch.loss_mask, self.opd_kl_coef
+            )
         # finite rewards can still overflow here (e.g. 1e308 in a group's mean)
         check_tensors("an advantage", [("advantages", batch.advantages)])
 
@@ -261,6 +274,8 @@ class Actor:
         if self.nonfinite_skipped:
             result["nonfinite_skipped"] = self.nonfinite_skipped - skipped_before
         result.update(lr=lrs[-1], lrs=lrs, global_step=self.step)
+        if self.opd_reverse_kl is not None:
+            result["opd_reverse_kl"] = self.opd_reverse_kl
         return result
 
     def _applies(self, norm: torch.Tensor, step_stats: dict[str, float]) -> bool:

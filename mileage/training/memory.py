@@ -117,6 +117,7 @@ class Workload:
     chunk_tokens: int  # --log-probs-chunk-size (-1: a micro-batch's logits at once)
     world_size: int = 1
     reference: bool = False
+    teacher_params: int = 0  # --use-opd: the frozen teacher's parameters
     critic: bool = False
     overlapped: bool = False  # train-async: generation runs beside training
     cuda: bool = False
@@ -176,12 +177,14 @@ def estimate(size: ModelSize, work: Workload, pass_tokens: int, logit_rows: int)
         "gradients": size.trainable * FP32 // n,
         "optimizer": 2 * size.trainable * FP32 // n,
         "reference": size.params * FP32 // n if work.reference else 0,
+        "teacher": work.teacher_params * FP32 // n,
         "critic": (size.params + 3 * size.trainable) * FP32 // n if work.critic else 0,
         "activations": tokens * per_token,
         "logits": logit_rows * size.vocab * FP32 * LOGIT_COPIES,
         "engine": engine,
     }
-    always = sum(parts[k] for k in ("runtime", "weights", "optimizer", "reference", "critic"))
+    fixed = ("runtime", "weights", "optimizer", "reference", "teacher", "critic")
+    always = sum(parts[k] for k in fixed)
     training = parts["gradients"] + parts["activations"] + parts["logits"]
     peak = always + (training + engine if work.overlapped else max(training, engine))
     return MemoryEstimate(parts, peak, pass_tokens, logit_rows, per_token)
