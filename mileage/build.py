@@ -25,14 +25,15 @@ from mileage.training.lora import LoraPolicy, build_lora_policy, refuse_adapter_
 from mileage.training.lora_sync import AdapterSyncEngine, MergedWeightsEngine, takes_adapters
 
 
-def verify_sources(sources: list[tuple[str | None, str | None]]) -> None:
-    """Every native checkpoint among (path, format) `sources`, each verified once as a whole
-    (`store.require_intact`) before any of its parts loads: the loaders after it trust the bytes."""
+def verify_sources(sources: list[tuple]) -> None:
+    """Every native checkpoint among (path, format[, the flag that picks another]) `sources`,
+    each verified once as a whole (`store.require_intact`) before any of its parts loads: the
+    loaders after it trust the bytes."""
     seen = set()
-    for path, fmt in sources:
+    for path, fmt, *flag in sources:
         if path and fmt == "native" and Path(path).resolve() not in seen:
             seen.add(Path(path).resolve())
-            require_intact(path)
+            require_intact(path, *flag)
 
 
 def plan_sources(plan: ResumePlan, reference: tuple[str | None, str | None]) -> list:
@@ -40,7 +41,7 @@ def plan_sources(plan: ResumePlan, reference: tuple[str | None, str | None]) -> 
     buffer and kept old actors), the reference or LoRA base, PPO's critic checkpoint and the
     OPD teacher."""
     critic = (plan.critic_from, "native") if plan.critic else (None, None)
-    teacher = (plan.teacher_from, plan.teacher_format)
+    teacher = (plan.teacher_from, plan.teacher_format, "--opd-teacher-ckpt-step")
     return [(plan.weights_from, plan.weights_format), reference, critic, teacher]
 
 

@@ -30,6 +30,8 @@ def summary_line(record: dict) -> str:
         parts.append(f"ppo_kl {record['ppo_kl']:+.2e}")
     if "kl" in record:  # only with a reference model: the KL to it
         parts.append(f"kl {record['kl']:+.2e}")
+    if "opd_reverse_kl" in record:  # --use-opd: student - teacher log-prob per token
+        parts.append(f"teacher kl {record['opd_reverse_kl']:+.2e}")
     if "entropy" in record:
         parts.append(f"entropy {record['entropy']:.3f}")
     if "value_loss" in record:

@@ -153,6 +153,7 @@ class Mutant:
 
 
 COMPOSE = "tests/test_compose.py"
+DISTILL = "tests/test_distill.py"
 
 MUTANTS = [
     Mutant(
@@ -2254,6 +2255,30 @@ MUTANTS = [
         "        or (model.training and checkpointed_layers(model))",
         "        or False",
         (f"{RECOMPUTE}::test_checkpointed_training_forward_runs_every_row_whole",),
+    ),
+    Mutant(
+        "opd-teacher-shifted-by-one",
+        "the teacher's log-probs are paired with the next token's student log-probs",
+        "mileage/training/actor.py",
+        "            teacher = self._frozen_logprobs(self.teacher, batch, micro)\n",
+        "            teacher = torch.roll(self._frozen_logprobs(self.teacher, batch, micro), 1, 1)\n",
+        (f"{DISTILL}::test_the_teacher_term_is_the_sampled_reverse_kl_per_response_token",),
+    ),
+    Mutant(
+        "opd-teacher-term-added",
+        "the distillation term is added: the student is pushed away from the teacher",
+        "mileage/training/distill.py",
+        "    return advantages - coef * reverse_kl, mean\n",
+        "    return advantages + coef * reverse_kl, mean\n",
+        (f"{DISTILL}::test_distill_advantages_by_hand",),
+    ),
+    Mutant(
+        "opd-teacher-unverified",
+        "the teacher checkpoint loads without the integrity check",
+        "mileage/build.py",
+        "    return [(plan.weights_from, plan.weights_format), reference, critic, teacher]\n",
+        "    return [(plan.weights_from, plan.weights_format), reference, critic]\n",
+        (f"{DISTILL}::test_a_damaged_teacher_is_refused_before_anything_loads",),
     ),
 ]
 

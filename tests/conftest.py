@@ -72,13 +72,18 @@ def mileage_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory) -> Path:
     """A small random-init Llama with the built-in char tokenizer, saved as an HF directory."""
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny_hf"))
+
+
+def tiny_llama_dir(out: Path, alphabet: str | None = None) -> Path:
+    """`out` holding a small random-init Llama (seed 0) with a char tokenizer over `alphabet`
+    (default: the built-in tasks')."""
     from transformers import LlamaForCausalLM
 
     from mileage.models.tiny import build_char_tokenizer, tiny_llama_config
     from mileage.rollout.tasks import builtin_alphabet
 
-    out = tmp_path_factory.mktemp("tiny_hf")
-    tok = build_char_tokenizer(builtin_alphabet())
+    tok = build_char_tokenizer(alphabet or builtin_alphabet())
     config = tiny_llama_config(
         len(tok),
         tok.pad_token_id,

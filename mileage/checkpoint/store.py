@@ -345,7 +345,7 @@ def part_of(name: str, lora: bool = False) -> str:
     return PARTS.get(head, name)
 
 
-def require_intact(checkpoint: str | Path) -> None:
+def require_intact(checkpoint: str | Path, flag: str = "--ckpt-step") -> None:
     """The one integrity check every restore goes through, before any part of `checkpoint` is
     loaded: every file its manifest lists (model or adapter, optimizer, critic, RNG, kept old
     actors, trainer state) is re-hashed, and the first damaged one refuses the start in one
@@ -354,7 +354,7 @@ def require_intact(checkpoint: str | Path) -> None:
     problems = verify_checkpoint(checkpoint)
     if problems:
         raise UserError(
-            f"checkpoint {checkpoint} is corrupt: {problems[0]}; choose another with --ckpt-step"
+            f"checkpoint {checkpoint} is corrupt: {problems[0]}; choose another with {flag}"
         )
 
 
