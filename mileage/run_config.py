@@ -277,10 +277,13 @@ class RunConfig:
 
     def trajectory_settings(self) -> tuple[tuple[str, object], ...]:
         """(flag, value) of each TRAJECTORY setting of this run."""
-        return tuple(
-            (flag_of(type(getattr(self, section)), name), getattr(getattr(self, section), name))
-            for section, name in self.TRAJECTORY
-        ) + self.opd.settings()
+        return (
+            tuple(
+                (flag_of(type(getattr(self, section)), name), getattr(getattr(self, section), name))
+                for section, name in self.TRAJECTORY
+            )
+            + self.opd.settings()
+        )
 
     def validate(self) -> None:
         r = self.rollout

@@ -122,7 +122,9 @@ def test_an_hf_teacher_of_another_size_is_planned_and_counted(tiny_hf, mileage_h
     assert "teacher" not in capsys.readouterr().out
 
 
-def test_a_native_teacher_of_another_architecture_is_refused(tiny_hf, mileage_home, tmp_path, capsys):
+def test_a_native_teacher_of_another_architecture_is_refused(
+    tiny_hf, mileage_home, tmp_path, capsys
+):
     run = tmp_path / "tiny_run"
     done = launch(["--hf-checkpoint", str(tiny_hf), *builtin_train_args("--num-rollout", "1")], run)
     assert done.returncode == 0, done.tail()

@@ -90,7 +90,9 @@ def teacher_source(path: str, step: int | None, model_config: dict | None) -> So
     flag = "--opd-teacher-load"
     if os.path.isfile(os.path.join(path, MANIFEST)):  # an iter_N or release directory itself
         if step is not None:
-            raise UserError(f"{flag} {path} is one checkpoint; --opd-teacher-ckpt-step is for a run directory")
+            raise UserError(
+                f"{flag} {path} is one checkpoint; --opd-teacher-ckpt-step is for a run directory"
+            )
         info = inspect_checkpoint(path)
         if not info.complete:
             raise UserError(f"{flag} {path} is incomplete ({info.problem})")

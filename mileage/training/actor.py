@@ -25,9 +25,9 @@ from mileage.training.algo import AlgoConfig, load_custom_loss
 from mileage.training.batch import TrainBatch
 from mileage.training.corrections import opsm_keep
 from mileage.training.critic import Critic
+from mileage.training.distill import distill_advantages
 from mileage.training.finite import FiniteConfig, NonFiniteError, bad_stat, check_tensors
 from mileage.training.logprobs import model_logprobs, token_logprobs
-from mileage.training.distill import distill_advantages
 from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss
 from mileage.training.optimizer import LRSchedule
 from mileage.training.shared_prompt import forward_parameters, shared_prompt_logprobs
@@ -162,7 +162,9 @@ class Actor:
         out = torch.zeros_like(batch.old_logprobs)
         for start in range(0, len(batch), micro):
             part = batch.slice(start, start + micro)
-            logp, _ = sequence_logprobs(model, part, self.temperature, chunk_tokens=self.chunk_tokens)
+            logp, _ = sequence_logprobs(
+                model, part, self.temperature, chunk_tokens=self.chunk_tokens
+            )
             first = part.target_offset
             out[start : start + micro, first : first + logp.shape[1]] = logp
         return out
