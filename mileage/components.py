@@ -76,6 +76,7 @@ from mileage.rollout.journal import JOURNAL_DIR, ToolJournal
 from mileage.rollout.rewards import RewardFn
 from mileage.rollout.rollout import PromptEncoder
 from mileage.rollout.sizes import context_length
+from mileage.rollout.teacher import ServedTeacher
 from mileage.run_config import RunConfig
 from mileage.seeding import capture_rng_state, configure_determinism, restore_rng_state
 from mileage.tracking import build_trackers, new_wandb_run_id
@@ -86,6 +87,7 @@ from mileage.training.critic import (
     critic_checkpoint_state,
     restore_critic_optimizer,
 )
+from mileage.training.distill import SERVED
 from mileage.training.lora import LoraPolicy
 from mileage.training.lora_sync import takes_adapters
 from mileage.training.memory import MemoryPlan
@@ -120,6 +122,8 @@ class Run:
     parts: StateRegistry = field(default_factory=StateRegistry)
     # the memory estimate behind the micro-batch: each rollout logs its own beside its peak
     memory: MemoryPlan | None = None
+    # --use-opd --opd-type sglang: the teacher server that scores each rollout's samples
+    teacher: ServedTeacher | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -234,6 +238,16 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         context_length(model_config) or DEFAULT_CONTEXT,
         model_config.get("vocab_size"),
     )
+    served = None
+    if cfg.opd.use_opd and cfg.opd.opd_type == SERVED:
+        served = ServedTeacher(
+            cfg.opd.opd_teacher_url,
+            cfg.opd.opd_teacher_timeout,
+            cfg.opd.opd_teacher_attempts,
+            journal,
+            cfg.rollout.rollout_temperature or 1.0,
+            log,
+        )
     data = PromptSource(pre.prompts, cfg.data.rollout_shuffle, cfg.loop.seed)
     buffer = new_buffer(cfg.dynamic, plan.start_rollout_id)
     parts = StateRegistry()
@@ -248,6 +262,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         parts.register(STATE_KEY, buffer, DATA)
     return Run(
         memory=pre.memory,
+        teacher=served,
         cfg=cfg,
         plan=plan,
         tokenizer=tokenizer,

@@ -29,7 +29,7 @@ from mileage.rollout.agent import tool_metrics
 from mileage.rollout.evaluation import evaluate, rollout_passrate, summary
 from mileage.rollout.shaping import shape_rewards
 from mileage.sources import Drawn, RolloutSource, sync_engine
-from mileage.training.batch import TrainBatch, mask_truncated, pack_samples
+from mileage.training.batch import TrainBatch, mask_truncated, pack_samples, response_values
 from mileage.training.finite import NonFiniteError, check_checkpoint
 from mileage.training.memory_use import peak_record, reset_peak
 
@@ -126,7 +126,7 @@ def train(run: Run, progress: RunProgress, source: RolloutSource) -> tuple[list[
                 fault_point("after_generate")
 
                 progress.phase(rollout_id, "train")
-                batch, sampling = prepare_batch(run, drawn)
+                batch, sampling = prepare_batch(run, drawn, rollout_id)
                 correction = source.correct(batch, drawn, rollout_id)
                 stats = {**train_rollout(run, rollout_id, batch), **correction, **sampling}
                 run.actor.release_gradients()
@@ -161,10 +161,10 @@ def rollout_estimate(run: Run) -> int | None:
     return run.memory.rollout_estimate(run.actor.largest_pass_tokens, run.actor.largest_pass_logits)
 
 
-def prepare_batch(run: Run, drawn: Drawn) -> tuple[TrainBatch, dict]:
-    """The trained batch of the drawn samples, and what shaping did to it. The overlong
-    penalty shapes the trained reward only: the filter, accuracy and reward_mean see the
-    task's own reward."""
+def prepare_batch(run: Run, drawn: Drawn, rollout_id: int) -> tuple[TrainBatch, dict]:
+    """The trained batch of the drawn samples, what shaping did to it, and a served OPD
+    teacher's scores of it. The overlong penalty shapes the trained reward only: the filter,
+    accuracy and reward_mean see the task's own reward."""
     cfg = run.cfg
     sampling = dict(drawn.stats)
     shaped = shape_rewards(drawn.samples, cfg.shaping, cfg.rollout.rollout_max_response_len)
@@ -173,6 +173,9 @@ def prepare_batch(run: Run, drawn: Drawn) -> tuple[TrainBatch, dict]:
         sampling["overlong_reward_mean"] = float(batch.rewards.mean())
     if cfg.shaping.mask_truncated_completions:
         sampling["truncated_masked"] = mask_truncated(batch, drawn.samples)
+    if run.teacher is not None:  # rank 0 asks the server (journaled); every rank gets them
+        scores = on_rank0(lambda: run.teacher.score(drawn.samples, rollout_id))
+        batch.teacher_logprobs = response_values(batch, drawn.samples, scores).to(run.device)
     return batch, sampling
 
 

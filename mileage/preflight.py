@@ -234,11 +234,13 @@ def preflight(cfg: RunConfig, asynchronous: bool = False) -> Preflight:
     teacher_params = 0
     if cfg.opd.use_opd and plan.action != COMPLETE:
         teacher, line = plan_teacher(cfg.opd, tokenizer, hf_checkpoint_path(cfg), model_config)
-        plan = replace(
-            plan, teacher_from=teacher.path, teacher_format=teacher.fmt, teacher_line=line
-        )
-        teacher_config = read_config_json(teacher.path) if teacher.fmt == "hf" else model_config
-        teacher_params = model_size(teacher_config).params
+        plan = replace(plan, teacher_line=line)
+        if teacher is not None:  # in the trainer: verified, loaded and counted like the rest
+            plan = replace(plan, teacher_from=teacher.path, teacher_format=teacher.fmt)
+            hf = teacher.fmt == "hf"
+            teacher_params = model_size(
+                read_config_json(teacher.path) if hf else model_config
+            ).params
     if plan.action != COMPLETE:
         memory = memory_plan(
             cfg, model_config, encode, prompts, plan, asynchronous, local, teacher_params

@@ -154,6 +154,7 @@ class Mutant:
 
 COMPOSE = "tests/test_compose.py"
 DISTILL = "tests/test_distill.py"
+SERVED_TEACHER = "tests/test_distill_served.py"
 
 MUTANTS = [
     Mutant(
@@ -2271,6 +2272,22 @@ MUTANTS = [
         "    return advantages - coef * reverse_kl, mean\n",
         "    return advantages + coef * reverse_kl, mean\n",
         (f"{DISTILL}::test_distill_advantages_by_hand",),
+    ),
+    Mutant(
+        "opd-served-teacher-off-by-one",
+        "the served teacher is asked from the first response token: its scores shift by one",
+        "mileage/rollout/teacher.py",
+        "                start = len(s.prompt_ids) - 1\n",
+        "                start = len(s.prompt_ids)\n",
+        (f"{SERVED_TEACHER}::test_the_served_teacher_s_scores_land_on_the_response_tokens",),
+    ),
+    Mutant(
+        "opd-served-teacher-not-replayed",
+        "a resumed rollout asks the teacher server again instead of reading the journal",
+        "mileage/rollout/teacher.py",
+        '            if entry is not None and entry.get("ids") == _ids_digest(ids):\n',
+        "            if False:\n",
+        (f"{SERVED_TEACHER}::test_a_resumed_rollout_reads_the_teacher_from_the_journal",),
     ),
     Mutant(
         "opd-teacher-unverified",

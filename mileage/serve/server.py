@@ -8,7 +8,8 @@ Endpoints (the SGLang request and reply shapes, the subset mileage uses):
   `return_logprob`. Reply per row: `output_ids`, `text` and `meta_info` with
   `output_token_logprobs` (`[log-prob, token id, null]` per token), `finish_reason`
   (`{"type": "stop", "matched": eos}` or `{"type": "length", "length": n}`), `prompt_tokens`,
-  `completion_tokens` and `weight_version`.
+  `completion_tokens` and `weight_version`. With `max_new_tokens` 0, `return_logprob` and
+  `logprob_start_len`: the given tokens' log-probs instead (`mileage/serve/scoring.py`).
 - LoRA adapters (SGLang's `/load_lora_adapter`, `/load_lora_adapter_from_tensors`,
   `/unload_lora_adapter`, `/update_weight_version`, and `lora_path` in `/generate`):
   `mileage/serve/lora.py`.
@@ -63,6 +64,7 @@ from mileage.serve.requests import (
     read_json_body,
     version_label,
 )
+from mileage.serve.scoring import ScoringRequest, parse_scoring, score_rows
 
 __all__ = ["EngineServer", "RequestError", "Server", "make_handler", "register", "serve"]
 
@@ -158,6 +160,9 @@ class EngineServer:
         }
 
     def generate(self, body: dict) -> dict | list:
+        scoring = parse_scoring(body, self.vocab_size)
+        if scoring is not None:  # max_new_tokens 0: the log-probs of the given tokens
+            return self._score(scoring)
         request = parse_generate(body, self.vocab_size)
         rows, params, adapter = request.rows, request.params, request.adapter
         self._check_sizes(rows, params.max_new_tokens)
@@ -175,6 +180,16 @@ class EngineServer:
         outputs = [self._output(c, version) for c in completions]
         if self.fault and self.fault[0] == "garbage" and self.generate_count >= self.fault[1]:
             outputs = [{"meta_info": {"output_token_logprobs": "garbage"}} for _ in outputs]
+        return outputs[0] if request.single else outputs
+
+    def _score(self, request: ScoringRequest) -> dict | list:
+        self._check_sizes(request.rows, 0)
+        with self.lock:
+            self.generate_count += 1
+            self._maybe_fail()
+            outputs = score_rows(self.engine.model, request)
+        if self.fault and self.fault[0] == "garbage" and self.generate_count >= self.fault[1]:
+            outputs = [{"meta_info": {"input_token_logprobs": "garbage"}} for _ in outputs]
         return outputs[0] if request.single else outputs
 
     def _check_sizes(self, rows: list[list[int]], max_new_tokens: int) -> None:

@@ -194,8 +194,10 @@ class Actor:
             values=batch.values,
             normalize=algo.normalize_advantages,
         )
+        teacher = batch.teacher_logprobs  # a served teacher's, scored with the rollout
         if self.teacher is not None:
             teacher = self._frozen_logprobs(self.teacher, batch, micro)
+        if teacher is not None:
             batch.advantages, self.opd_reverse_kl = distill_advantages(
                 batch.advantages, batch.old_logprobs, teacher, batch.loss_mask, self.opd_kl_coef
             )

@@ -23,6 +23,8 @@ class TrainBatch:
     old_logprobs: torch.Tensor  # [N, L-1] generating policy
     rewards: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None = None
+    # --use-opd with a served teacher: its log-prob of each response token (the rollout's)
+    teacher_logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     tis_weights: torch.Tensor | None = None  # [N, L-1] policy-gradient weights (--use-tis)
     returns: torch.Tensor | None = None  # value targets (PPO critic)
@@ -70,6 +72,7 @@ class TrainBatch:
             old_logprobs=cut(self.old_logprobs, lead, width - 1),
             rewards=self.rewards[start:stop],
             ref_logprobs=cut(self.ref_logprobs, lead, width - 1),
+            teacher_logprobs=cut(self.teacher_logprobs, lead, width - 1),
             advantages=cut(self.advantages, lead, width - 1),
             tis_weights=cut(self.tis_weights, lead, width - 1),
             returns=cut(self.returns, lead, width - 1),
@@ -101,6 +104,16 @@ def pack_samples(samples, pad_id: int) -> TrainBatch:
     return TrainBatch(
         input_ids, attention_mask, loss_mask, old_logprobs, rewards, prompt_lens=prompt_lens
     )
+
+
+def response_values(batch: TrainBatch, samples, values: list[list[float]]) -> torch.Tensor:
+    """Per-response-token `values` of `samples` (as packed into `batch`) in target space, where
+    `pack_samples` puts their log-probs; 0 elsewhere."""
+    out = torch.zeros_like(batch.old_logprobs)
+    for row, (s, v) in enumerate(zip(samples, values, strict=True)):
+        p = len(s.prompt_ids)
+        out[row, p - 1 : p - 1 + len(v)] = torch.tensor(v, dtype=out.dtype)
+    return out
 
 
 def mask_truncated(batch: TrainBatch, samples) -> int:

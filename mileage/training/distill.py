@@ -21,11 +21,13 @@ from mileage.checkpoint.sources import Source, teacher_source
 from mileage.config import option
 from mileage.errors import UserError
 from mileage.models.hf import load_tokenizer
+from mileage.rollout.engines.http import BadReply, describe, get_json
 
 # where the teacher runs: in the trainer, loaded and sharded like the reference model (miles'
-# "megatron": mileage's trainer is torch FSDP2, so the name says so)
-IN_TRAINER = "fsdp"
-OPD_TYPES = (IN_TRAINER, "megatron", "sglang")
+# "megatron": mileage's trainer is torch FSDP2, so the name says so), or behind SGLang's
+# /generate (SGLang, or `mileage serve`)
+IN_TRAINER, SERVED = "fsdp", "sglang"
+OPD_TYPES = (IN_TRAINER, "megatron", SERVED)
 
 
 @dataclass
@@ -38,7 +40,8 @@ class OpdConfig:
     opd_type: str | None = option(
         None,
         f"where the teacher runs: {IN_TRAINER} (in the trainer, from --opd-teacher-load, sharded "
-        "like the reference under torchrun)",
+        f"like the reference under torchrun) or {SERVED} (a server at --opd-teacher-url: SGLang "
+        "or `mileage serve`)",
         choices=OPD_TYPES,
     )
     opd_kl_coef: float = option(1.0, "weight of the distillation term in the advantage")
@@ -50,6 +53,15 @@ class OpdConfig:
     opd_teacher_ckpt_step: int | None = option(
         None, "the iteration of a checkpoint directory --opd-teacher-load names"
     )
+    opd_teacher_url: str | None = option(
+        None, f"--opd-type {SERVED}: the teacher server's base URL (its /generate scores tokens)"
+    )
+    opd_teacher_timeout: float = option(
+        120.0, "seconds one teacher request may take before it is retried"
+    )
+    opd_teacher_attempts: int = option(
+        3, "tries of each teacher request before the run stops (exit 2, nothing lost)"
+    )
 
     def validate(self) -> None:
         """The flags together, as slime checks them, before anything loads."""
@@ -60,6 +72,7 @@ class OpdConfig:
                     ("--opd-type", self.opd_type),
                     ("--opd-teacher-load", self.opd_teacher_load),
                     ("--opd-teacher-ckpt-step", self.opd_teacher_ckpt_step),
+                    ("--opd-teacher-url", self.opd_teacher_url),
                 )
                 if value is not None
             ]
@@ -67,20 +80,30 @@ class OpdConfig:
                 raise UserError(f"{', '.join(given)} given without --use-opd")
             return
         if self.opd_type is None:
-            raise UserError(f"--use-opd needs --opd-type ({IN_TRAINER}: a teacher in the trainer)")
+            raise UserError(
+                f"--use-opd needs --opd-type ({IN_TRAINER}: a teacher in the trainer; {SERVED}: "
+                "a teacher server)"
+            )
         if self.opd_type == "megatron":
             raise UserError(
                 "--opd-type megatron: mileage trains with torch FSDP2, not Megatron; the "
                 f"teacher in the trainer is --opd-type {IN_TRAINER}"
             )
-        if self.opd_type == "sglang":
-            raise UserError(
-                "--opd-type sglang: a served teacher (prompt log-probs over HTTP) is not built "
-                f"in this version; load the teacher in the trainer with --opd-type {IN_TRAINER} "
-                "--opd-teacher-load DIR"
-            )
-        if not self.opd_teacher_load:
+        if self.opd_type == SERVED:
+            if not self.opd_teacher_url:
+                raise UserError(f"--opd-type {SERVED} needs --opd-teacher-url URL")
+            if self.opd_teacher_load or self.opd_teacher_ckpt_step is not None:
+                raise UserError(
+                    f"--opd-type {SERVED} scores on the server at --opd-teacher-url; "
+                    "--opd-teacher-load and --opd-teacher-ckpt-step are for --opd-type "
+                    f"{IN_TRAINER}"
+                )
+        elif not self.opd_teacher_load:
             raise UserError(f"--opd-type {IN_TRAINER} needs --opd-teacher-load DIR")
+        elif self.opd_teacher_url:
+            raise UserError(f"--opd-teacher-url is for --opd-type {SERVED}")
+        if self.opd_teacher_timeout <= 0 or self.opd_teacher_attempts < 1:
+            raise UserError("--opd-teacher-timeout must be > 0 and --opd-teacher-attempts >= 1")
         if self.opd_kl_coef < 0:
             raise UserError(f"--opd-kl-coef must be >= 0, got {self.opd_kl_coef}")
 
@@ -114,10 +137,13 @@ def distill_advantages(
 
 def plan_teacher(
     cfg: OpdConfig, student_tokenizer, student_from: str, model_config: dict | None
-) -> tuple[Source, str]:
-    """(the teacher's weights, the plan's line for them), refused before anything loads when
-    the path is not a model, a native teacher is another architecture, or the teacher's
-    tokenizer is not the student's (the teacher scores the student's token ids)."""
+) -> tuple[Source | None, str]:
+    """(the teacher's weights, or None for a served teacher; the plan's line), refused before
+    anything loads when the path is not a model, a native teacher is another architecture, a
+    served one does not answer, or the teacher's tokenizer is not the student's (the teacher
+    scores the student's token ids)."""
+    if cfg.opd_type == SERVED:
+        return None, served_teacher_line(cfg, student_tokenizer, student_from)
     source = teacher_source(cfg.opd_teacher_load, cfg.opd_teacher_ckpt_step, model_config)
     if source.fmt == "hf":
         tokenizer_dir = source.path
@@ -138,6 +164,33 @@ def plan_teacher(
         f"-= {cfg.opd_kl_coef:g} x (student - teacher log-prob)"
     )
     return source, line
+
+
+def served_teacher_line(cfg: OpdConfig, student_tokenizer, student_from: str) -> str:
+    """The plan's line for the server at --opd-teacher-url, which must answer /get_model_info;
+    where the model directory it names is on this machine, its tokenizer must be the student's."""
+    url = cfg.opd_teacher_url.rstrip("/")
+    try:
+        info = get_json(url + "/get_model_info", min(cfg.opd_teacher_timeout, 30.0))
+    except (OSError, BadReply) as exc:
+        raise UserError(
+            f"--opd-teacher-url {url}: no answer from /get_model_info ({describe(exc)}); start "
+            "the teacher server first"
+        ) from None
+    path = info.get("tokenizer_path") or info.get("model_path") if isinstance(info, dict) else None
+    checked = ""
+    if isinstance(path, str) and os.path.isdir(path):
+        problem = tokenizer_difference(student_tokenizer, load_tokenizer(path))
+        if problem:
+            raise UserError(
+                f"--opd-teacher-url {url} serves {path}, whose tokenizer is not the student's "
+                f"({student_from}): {problem}; the teacher scores the student's token ids"
+            )
+        checked = f" {path}, tokenizer checked"
+    return (
+        f"teacher: {url}{checked} (served, SGLang /generate scoring, journaled); each response "
+        f"token's advantage -= {cfg.opd_kl_coef:g} x (student - teacher log-prob)"
+    )
 
 
 def tokenizer_difference(student, teacher) -> str:
