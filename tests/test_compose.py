@@ -22,6 +22,7 @@ from mileage.rollout.dynamic import MILES_NONZERO_STD
 from mileage.testing.compare import LEFTOVER_DIFF, compare_runs
 from mileage.testing.crash import launch, outcome_table, run_uninterrupted, run_with_kills
 from mileage.testing.kills import Kill
+from mileage.testing.servers import start_servers
 
 pytestmark = pytest.mark.slow
 
@@ -67,9 +68,22 @@ def records(save: Path) -> list[dict]:
     return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_async_dynamic_sampling_shaping_tools_and_lora_resume_exactly(builtin_model, tmp_path):
+def test_async_dynamic_sampling_shaping_tools_and_lora_resume_exactly(
+    builtin_model, tiny_hf, tmp_path
+):
+    # and distilled from a served teacher (the tiny model behind `mileage serve`), whose scores
+    # are journaled beside the tools' answers
+    (teacher,) = start_servers(tiny_hf, 1, args=("--dtype", "float32", "--num-threads", "1"))
+    try:
+        agentic_with_teacher(teacher.url, tmp_path)
+    finally:
+        teacher.stop()
+
+
+def agentic_with_teacher(teacher_url: str, tmp_path: Path) -> None:
+    args = [*AGENTIC, "--use-opd", "--opd-type", "sglang", "--opd-teacher-url", teacher_url]
     reference = tmp_path / "reference"
-    run_uninterrupted(AGENTIC, reference, subcommand="train-async")
+    run_uninterrupted(args, reference, subcommand="train-async")
     logged = records(reference)
     # every feature of the row did something the comparison below covers
     assert sum(r["rollout/tool_calls"] for r in logged) > 0
@@ -78,9 +92,10 @@ def test_async_dynamic_sampling_shaping_tools_and_lora_resume_exactly(builtin_mo
     assert any(r["overlong_reward_mean"] < r["reward_mean"] - 1e-6 for r in logged)
     assert logged[-1]["dynamic_filter/groups_dropped"] > 0
     assert all(r["staleness_max"] <= 1 for r in logged)
+    assert all(abs(r["opd_reverse_kl"]) > 1e-4 for r in logged)
 
     save = tmp_path / "run"
-    outcomes = run_with_kills(AGENTIC, save, AGENTIC_CHAIN, subcommand="train-async")
+    outcomes = run_with_kills(args, save, AGENTIC_CHAIN, subcommand="train-async")
     table = outcome_table(outcomes)
     assert [o.status for o in outcomes] == ["killed"] * len(AGENTIC_CHAIN), table
     for outcome in outcomes:

@@ -1,7 +1,8 @@
 """LoRA under torchrun with FSDP2 (N=2): the PEFT-adapted policy is sharded like any model, the
 KL reference is the sharded policy with its adapter off, and the checkpoint holds the adapter
-alone (every rank's shards). A run killed at commit points on either rank resumes to the
-uninterrupted N=2 run's adapter and optimizer tensors, and its checkpoint reloads at N=1."""
+alone (every rank's shards). The run also distills from a teacher of another architecture
+(the tiny model, an HF directory), sharded like the reference. A run killed at commit points on
+either rank resumes to the uninterrupted N=2 run's adapter and optimizer tensors."""
 
 from __future__ import annotations
 
@@ -42,10 +43,16 @@ CHAIN = [
 
 
 @pytest.fixture(scope="module")
-def reference(builtin_model, tmp_path_factory):
+def args(tiny_hf) -> list[str]:
+    return [*ARGS, "--use-opd", "--opd-type", "fsdp", "--opd-teacher-load", str(tiny_hf)]
+
+
+@pytest.fixture(scope="module")
+def reference(args, builtin_model, tmp_path_factory):
     save = tmp_path_factory.mktemp("lora_fsdp_reference") / "run"
-    done = run_uninterrupted(ARGS, save, nproc=NPROC, env=torchrun_env(), timeout=600)
+    done = run_uninterrupted(args, save, nproc=NPROC, env=torchrun_env(), timeout=600)
     assert "reference model: the base" in done.stdout and "(adapter disabled)" in done.stdout
+    assert "teacher model: " in done.stdout and "teacher kl" in done.stdout, done.stdout
     return save
 
 
@@ -60,10 +67,12 @@ def test_n2_lora_checkpoint_holds_the_trained_adapter_only(reference):
     assert state and all(".lora_" in name for name in state), sorted(state)[:3]
 
 
-def test_n2_lora_kills_on_either_rank_resume_to_the_uninterrupted_tensors(reference, tmp_path):
+def test_n2_lora_kills_on_either_rank_resume_to_the_uninterrupted_tensors(
+    args, reference, tmp_path
+):
     save = tmp_path / "run"
     outcomes = run_with_kills(
-        ARGS, save, CHAIN, max_reruns=2, nproc=NPROC, env=torchrun_env(), timeout=600
+        args, save, CHAIN, max_reruns=2, nproc=NPROC, env=torchrun_env(), timeout=600
     )
     table = outcome_table(outcomes)
     assert all(o.died and o.intact and o.resumed and not o.problems for o in outcomes), table
