@@ -350,6 +350,8 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             seed=run.cfg.loop.seed,
             settings=dict(run.cfg.trajectory_settings()),
             **extra,
+            # only SFT runs record their stage: RL checkpoints stay as they were
+            **({"stage": run.plan.stage} if run.plan.stage != "rl" else {}),
             precision=run.plan.precision,
             micro_batch_size=run.actor.algo.micro_batch_size,
         ),

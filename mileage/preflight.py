@@ -165,7 +165,7 @@ def require_directories(**paths: str | None) -> None:
             raise UserError(f"--{flag.replace('_', '-')} {path} is a file, not a directory")
 
 
-def preflight(cfg: RunConfig, asynchronous: bool = False) -> Preflight:
+def preflight(cfg: RunConfig, asynchronous: bool = False, supervised: bool = False) -> Preflight:
     """The plan and its inputs; cheap (reads JSON and directory listings, no tensors; the
     model is built on the meta device to count its parameters)."""
     ck = cfg.checkpoint
@@ -224,6 +224,7 @@ def preflight(cfg: RunConfig, asynchronous: bool = False) -> Preflight:
         precision=precision,
         precision_note=precision_note,
         settings=cfg.trajectory_settings(),
+        stage="sft" if supervised else "rl",
     )
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:

@@ -20,11 +20,11 @@ from mileage.rollout.evaluation import summary
 def summary_line(record: dict) -> str:
     """A rollout's line. "reward" is the mean reward, "solved" the share of answers with reward
     >= 1 (the record's `accuracy`): with rewards other than 0/1 the two differ."""
-    parts = [
-        f"rollout {record['rollout_id']}",
-        f"reward {record['reward_mean']:.3f}",
-        f"solved {record['accuracy']:.3f}",
-    ]
+    parts = [f"rollout {record['rollout_id']}"]
+    if "sft_loss" in record:  # `mileage sft`: the data's answers, nothing scored
+        parts.append(f"sft loss {record['sft_loss']:.4f}")
+    else:
+        parts += [f"reward {record['reward_mean']:.3f}", f"solved {record['accuracy']:.3f}"]
     # a PPO critic-only rollout (--num-critic-only-steps) has no policy loss, drift or entropy
     if "ppo_kl" in record:
         parts.append(f"ppo_kl {record['ppo_kl']:+.2e}")

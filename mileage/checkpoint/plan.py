@@ -75,6 +75,9 @@ class StartFlags:
     # (flag, value) of the settings that decide the trajectory (recorded in meta.json): a
     # resume that changes one goes ahead, and the plan says the run leaves the saved one's path
     settings: tuple[tuple[str, object], ...] = ()
+    # what the run trains: RL ("rl": `train`, `train-async`) or SFT ("sft": `mileage sft`); a
+    # checkpoint of the other stage starts this one from its weights, as --finetune does
+    stage: str = "rl"
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class ResumePlan:
     micro_batch: int | None = None
     memory: dict | None = field(default=None, compare=False)
     memory_line: str = field(default="", compare=False)
+    stage: str = "rl"  # recorded in each checkpoint's meta.json (StartFlags.stage)
     # --use-opd: the teacher's weights (path, "hf" or "native"), verified with the rest, and
     # what its term adds to the advantage
     teacher_from: str | None = None
@@ -281,6 +285,29 @@ def _settings_change(info: CheckpointInfo | None, settings: tuple) -> list[str]:
     ]
 
 
+def _other_stage(
+    source: Source, stage: str, flags: StartFlags, disk: DiskState, reasons: list[str]
+) -> tuple[Source, bool]:
+    """--load names a checkpoint of the other stage (an SFT run's, for `mileage train`): this
+    run starts from its weights with a fresh optimizer, RNG and data position, as miles'
+    --finetune. Rerun, the same command finds this run's own checkpoints in --save (another
+    directory) and resumes them."""
+    save = disk.save
+    if save is not None and save.tracker.exists and save.tracker.valid and save.path != source.path:
+        own = native_source(save, None, "--ckpt-step")
+        if own.info is not None and own.info.meta.get("stage", "rl") == flags.stage:
+            reasons.append(
+                f"--save {save.path} holds this {flags.stage.upper()} run's checkpoints, started "
+                f"from the {stage.upper()} checkpoint --load names: resuming them ({own.reason})"
+            )
+            return own, own.iteration is not None
+    reasons.append(
+        f"{source.path} is an {stage.upper()} checkpoint: {flags.stage.upper()} starts from its "
+        "weights with a fresh optimizer, RNG and data position (as --finetune)"
+    )
+    return source, False
+
+
 def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
     """Decide how this run starts. Raises UserError for every state it refuses."""
     reasons: list[str] = []
@@ -322,6 +349,9 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
             )
         reasons.append(source.reason)
         resumable = source.iteration is not None and not flags.finetune
+        stage = source.info.meta.get("stage", "rl") if source.info is not None else "rl"
+        if stage != flags.stage and not flags.finetune:
+            source, resumable = _other_stage(source, stage, flags, disk, reasons)
         if source.iteration is None:
             reasons.append(
                 "a release checkpoint holds weights only: nothing to resume, start fresh"
@@ -416,6 +446,7 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
         critic=flags.critic,
         critic_from=critic_from,
         critic_state=flags.critic and resumable,
+        stage=flags.stage,
         precision=flags.precision,
         precision_note=flags.precision_note,
     )

@@ -40,6 +40,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return train_command(cfg)
 
 
+def _cmd_sft(args: argparse.Namespace) -> int:
+    cfg = _train_config(args)
+    from mileage.cli.train import train_command
+
+    return train_command(cfg, supervised=True)
+
+
 def _cmd_train_async(args: argparse.Namespace) -> int:
     cfg = _train_config(args)
     from mileage.cli.train import train_command
@@ -85,6 +92,8 @@ def _add_run_command(name: str, func, asynchronous: bool) -> Callable[[Any], Non
 
         parser = sub.add_parser(name)
         RunConfig.add_arguments(parser, asynchronous=asynchronous)
+        if name == "sft":  # the data's answers, one per record, their NLL (miles' SFT flags)
+            parser.set_defaults(loss_type="sft_loss", n_samples_per_prompt=1)
         if name == "plan":
             parser.add_argument("--json", action="store_true", help="machine-readable output")
         parser.set_defaults(func=func)
@@ -122,6 +131,11 @@ COMMANDS: tuple[tuple[str, str, Callable[[Any], None]], ...] = (
         "train-async",
         "train with generation overlapping training (one-step-off, or --fully-async)",
         _add_run_command("train-async", _cmd_train_async, True),
+    ),
+    (
+        "sft",
+        "supervised fine-tuning on the data's own answers (same checkpoints and resume as train)",
+        _add_run_command("sft", _cmd_sft, False),
     ),
     (
         "plan",

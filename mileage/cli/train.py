@@ -21,6 +21,7 @@ from mileage.rollout.buffer import describe_saved
 from mileage.rollout.evaluation import summary
 from mileage.run_config import RunConfig
 from mileage.sources import build_source
+from mileage.sources.dataset import check_sft_run
 
 
 def reuse_line(plan: ResumePlan, asynchronous: bool = True) -> str | None:
@@ -55,19 +56,22 @@ def kept_weights(checkpoint) -> str:
     return f"; kept old-actor weights after {', '.join(map(str, versions))} trained rollout(s)"
 
 
-def train_command(cfg: RunConfig, asynchronous: bool = False) -> int:
-    """Under torchrun every rank runs this; rank 0 prints, holds the lock and cleans up."""
+def train_command(cfg: RunConfig, asynchronous: bool = False, supervised: bool = False) -> int:
+    """Under torchrun every rank runs this; rank 0 prints, holds the lock and cleans up.
+    `supervised`: `mileage sft` (the dataset source)."""
     env.request_device(cfg.parallel.device)
     if asynchronous:
         cfg.validate_async()
+    if supervised:
+        check_sft_run(cfg)
     with env.session():
-        return _train(cfg, asynchronous)
+        return _train(cfg, asynchronous, supervised)
 
 
-def _train(cfg: RunConfig, asynchronous: bool) -> int:
+def _train(cfg: RunConfig, asynchronous: bool, supervised: bool = False) -> int:
     notes: list[str] = []
     cfg = with_recorded_model(cfg, notes.append)
-    pre = preflight(cfg, asynchronous)
+    pre = preflight(cfg, asynchronous, supervised)
     plan = pre.plan
     progress = run_progress(plan.start_rollout_id, plan.num_rollout)
     if cfg.demo_note():
@@ -96,7 +100,7 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
             env.barrier()  # the other ranks plan again only after rank 0's cleanup
             # the plan was made before taking the lock; another run may have moved the tracker.
             # Reprint it only if the decision changed, not just the wording of its reasons.
-            pre = preflight(cfg, asynchronous)
+            pre = preflight(cfg, asynchronous, supervised)
             if replace(pre.plan, reasons=()) != replace(plan, reasons=()):
                 plan = pre.plan
                 progress.print(plan.describe())
@@ -108,7 +112,8 @@ def _train(cfg: RunConfig, asynchronous: bool) -> int:
         run = build_run(cfg, pre, progress.print)
         try:
             with progress:
-                records, stop_reason = train(run, progress, build_source(run, asynchronous))
+                source = build_source(run, asynchronous, supervised)
+                records, stop_reason = train(run, progress, source)
         finally:
             if run.engine is not None:
                 run.engine.close()  # stops a launched server, removes synced weights

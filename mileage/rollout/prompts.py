@@ -45,6 +45,14 @@ def prompt_from_record(
     return Prompt(index, text, label_text(record[label_key], label_key, where), messages)
 
 
+def has_answers(value: Any) -> bool:
+    """Whether a record's input is a message list with assistant turns: a conversation that
+    holds its own answers (`mileage sft` trains them), so it needs no label."""
+    return isinstance(value, list) and any(
+        isinstance(m, dict) and m.get("role") == "assistant" for m in value
+    )
+
+
 def label_text(value: Any, label_key: str, where: str) -> str:
     """A record's reference answer as the scorers get it. A null label is refused: str(None) is
     "None", which no answer matches, so every reward would be 0 without a word. A reward that
@@ -111,6 +119,12 @@ def load_jsonl(
                 raise UserError(
                     f"{path}:{lineno}: a number with too many digits to read; quote it as a string"
                 ) from None
+            if (
+                isinstance(record, dict)
+                and label_key not in record
+                and has_answers(record.get(input_key))
+            ):
+                record = {**record, label_key: ""}  # a conversation with its answers (SFT data)
             for key in (input_key, label_key):
                 if not isinstance(record, dict) or key not in record:
                     raise UserError(f"{path}:{lineno}: missing key {key!r} (set {key_flags})")

@@ -7,7 +7,8 @@ weights generated the samples it hands over and how the trainer corrects for the
   weights, when the loop asks (plain, dynamic sampling, partial rollout, a user rollout
   function, replayed debug data);
 - `AheadSource` (`mileage train-async`): generates slots in a background thread with the
-  weights a fixed schedule gives them, ahead of training, and corrects for their age.
+  weights a fixed schedule gives them, ahead of training, and corrects for their age;
+- `DatasetSource` (`mileage sft`): the data records' own answers; nothing generates.
 
 A new way of producing samples (a teacher, an agent endpoint) is a new source, never a branch
 in the loop. A source's state goes into the rollout's checkpoint in the same commit as the
@@ -63,8 +64,13 @@ def sync_engine(run: Run) -> None:
         run.engine.update_weights(run.model, run.actor.step)
 
 
-def build_source(run: Run, asynchronous: bool) -> RolloutSource:
-    """The source of `mileage train-async` (ahead) or of `mileage train` (on-policy)."""
+def build_source(run: Run, asynchronous: bool, supervised: bool = False) -> RolloutSource:
+    """The source of `mileage train-async` (ahead), `mileage sft` (the dataset's own answers)
+    or `mileage train` (on-policy)."""
+    if supervised:
+        from mileage.sources.dataset import DatasetSource
+
+        return DatasetSource(run)
     if asynchronous:
         from mileage.sources.ahead import AheadSource
 

@@ -181,6 +181,10 @@ class Actor:
                 token_kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, algo.kl_loss_type)
         if self.critic is not None:
             batch.values = self.critic.values(batch, micro)
+        if algo.loss_type == "sft_loss":  # an NLL: no advantage enters it (miles'
+            # --disable-compute-advantages-and-returns), and one answer per record has no group
+            batch.advantages = torch.zeros_like(batch.old_logprobs)
+            return
         batch.advantages, batch.returns = compute_advantages(
             algo.advantage_estimator,
             batch.rewards,
@@ -379,7 +383,8 @@ class Actor:
         # the drift from the old policy of the PPO ratio (the one that generated the samples),
         # k1 of old vs current: verl's and miles' `ppo_kl`. It is ~0 at a rollout's first
         # optimizer step by construction, so it is never reported as a KL to anything else.
-        stats["ppo_kl"] = float(reduce(part.old_logprobs - logp.detach()))
+        if self.algo.loss_type != "sft_loss":  # SFT has no policy that sampled its answers
+            stats["ppo_kl"] = float(reduce(part.old_logprobs - logp.detach()))
         if part.ref_logprobs is not None:
             # `kl` is only ever the KL to the reference model, never a stand-in for it
             kl = reduce(kl_estimate(logp, part.ref_logprobs, self.algo.kl_loss_type))

@@ -111,7 +111,7 @@ class AlgoConfig:
             )
         if est.startswith("reinforce_plus_plus") and not self.normalize_advantages:
             raise UserError(f"{est} needs --normalize-advantages (as in miles)")
-        if est in GROUP_ESTIMATORS and n_samples_per_prompt < 2:
+        if est in GROUP_ESTIMATORS and n_samples_per_prompt < 2 and self.loss_type != "sft_loss":
             raise UserError(
                 f"{est} needs --n-samples-per-prompt >= 2 (advantages are relative to the group)"
             )
