@@ -155,6 +155,7 @@ class Mutant:
 COMPOSE = "tests/test_compose.py"
 DISTILL = "tests/test_distill.py"
 SERVED_TEACHER = "tests/test_distill_served.py"
+SFT = "tests/test_sft.py"
 
 MUTANTS = [
     Mutant(
@@ -2288,6 +2289,22 @@ MUTANTS = [
         '            if entry is not None and entry.get("ids") == _ids_digest(ids):\n',
         "            if False:\n",
         (f"{SERVED_TEACHER}::test_a_resumed_rollout_reads_the_teacher_from_the_journal",),
+    ),
+    Mutant(
+        "sft-loss-on-prompt-tokens",
+        "SFT trains the user turns and role markers of a conversation, not only its answers",
+        "mileage/rollout/sft.py",
+        "        mask += [0] * (len(before) - len(ids)) + [int(assistant)] * (len(after) - len(before))\n",
+        "        mask += [1] * (len(before) - len(ids)) + [int(assistant)] * (len(after) - len(before))\n",
+        (f"{SFT}::test_a_conversation_trains_its_assistant_turns_only",),
+    ),
+    Mutant(
+        "sft-stage-not-recorded",
+        "an SFT checkpoint does not say so: `mileage train --load` of it resumes its optimizer and data",
+        "mileage/components.py",
+        '            **({"stage": run.plan.stage} if run.plan.stage != "rl" else {}),\n',
+        "            **{},\n",
+        (f"{SFT}::test_train_starts_rl_from_an_sft_run_and_a_rerun_resumes_its_own_save",),
     ),
     Mutant(
         "opd-teacher-unverified",

@@ -41,8 +41,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    cfg = _train_config(args)
     from mileage.cli.train import train_command
+    from mileage.sources.dataset import check_sft_loss
+
+    check_sft_loss(args.loss_type)  # before the config's checks, which assume sampling
+    cfg = _train_config(args)
 
     return train_command(cfg, supervised=True)
 

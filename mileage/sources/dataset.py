@@ -21,15 +21,19 @@ from mileage.training.batch import TrainBatch
 SFT_LOSS = "sft_loss"
 
 
+def check_sft_loss(loss_type: str) -> None:
+    if loss_type != SFT_LOSS:
+        raise UserError(
+            f"mileage sft trains --loss-type {SFT_LOSS} (the data's answers, no reward); "
+            f"--loss-type {loss_type} is for `mileage train`"
+        )
+
+
 def check_sft_run(cfg: RunConfig) -> None:
     """What `mileage sft` refuses beyond `RunConfig.validate`: the flags that say how samples
     are generated or how rewards become advantages, which a run of the data's own answers has
     none of (one line, exit 2)."""
-    if cfg.algo.loss_type != SFT_LOSS:
-        raise UserError(
-            f"mileage sft trains --loss-type {SFT_LOSS} (the data's answers, no reward); "
-            f"--loss-type {cfg.algo.loss_type} is for `mileage train`"
-        )
+    check_sft_loss(cfg.algo.loss_type)
     generation = [
         (flag, on)
         for flag, on in (
