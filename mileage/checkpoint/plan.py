@@ -138,6 +138,8 @@ class ResumePlan:
         data = asdict(self)
         data["reasons"] = list(self.reasons)
         del data["memory_line"], data["teacher_line"]
+        if self.stage == "rl":  # only `mileage sft` plans say what they train
+            del data["stage"]
         if self.teacher_from is None:  # the teacher's part only appears with --use-opd
             del data["teacher_from"], data["teacher_format"]
         if not self.critic:  # the critic's part of the plan only appears for PPO
