@@ -30,6 +30,7 @@ from mileage.checkpoint.plan import (
     reference_source,
 )
 from mileage.checkpoint.registry import CRITIC, DATA, RUN, Recorded, StateRegistry
+from mileage.checkpoint.stages import stage_meta
 from mileage.checkpoint.store import (
     TRAINER_STATE,
     CheckpointState,
@@ -350,8 +351,7 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             seed=run.cfg.loop.seed,
             settings=dict(run.cfg.trajectory_settings()),
             **extra,
-            # only SFT runs record their stage: RL checkpoints stay as they were
-            **({"stage": run.plan.stage} if run.plan.stage != "rl" else {}),
+            **stage_meta(run.plan.stage),  # only SFT runs record theirs
             precision=run.plan.precision,
             micro_batch_size=run.actor.algo.micro_batch_size,
         ),

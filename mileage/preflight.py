@@ -22,6 +22,7 @@ from mileage.checkpoint.plan import (
     gather_disk_state,
     plan_start,
 )
+from mileage.checkpoint.stages import RL, SFT
 from mileage.distributed import env
 from mileage.errors import UserError
 from mileage.models.hf import (
@@ -224,7 +225,7 @@ def preflight(cfg: RunConfig, asynchronous: bool = False, supervised: bool = Fal
         precision=precision,
         precision_note=precision_note,
         settings=cfg.trajectory_settings(),
-        stage="sft" if supervised else "rl",
+        stage=SFT if supervised else RL,
     )
     disk = gather_disk_state(flags, model_config)
     if not cfg.checkpoint.hf_checkpoint and not disk.hf_checkpoint.exists:

@@ -2302,7 +2302,7 @@ MUTANTS = [
         "sft-stage-not-recorded",
         "an SFT checkpoint does not say so: `mileage train --load` of it resumes its optimizer and data",
         "mileage/components.py",
-        '            **({"stage": run.plan.stage} if run.plan.stage != "rl" else {}),\n',
+        "            **stage_meta(run.plan.stage),  # only SFT runs record theirs\n",
         "            **{},\n",
         (f"{SFT}::test_train_starts_rl_from_an_sft_run_and_a_rerun_resumes_its_own_save",),
     ),

@@ -48,6 +48,7 @@ from mileage.checkpoint.layout import (
     scan_dir,
 )
 from mileage.checkpoint.sources import Source, bad_tracker, list_complete, native_source
+from mileage.checkpoint.stages import RL, other_stage, recorded_stage
 from mileage.errors import UserError
 
 FRESH, RESUME, COMPLETE = "fresh", "resume", "complete"
@@ -75,9 +76,9 @@ class StartFlags:
     # (flag, value) of the settings that decide the trajectory (recorded in meta.json): a
     # resume that changes one goes ahead, and the plan says the run leaves the saved one's path
     settings: tuple[tuple[str, object], ...] = ()
-    # what the run trains: RL ("rl": `train`, `train-async`) or SFT ("sft": `mileage sft`); a
-    # checkpoint of the other stage starts this one from its weights, as --finetune does
-    stage: str = "rl"
+    # what the run trains (`mileage.checkpoint.stages`); a checkpoint of the other stage starts
+    # this one from its weights, as --finetune does
+    stage: str = RL
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class ResumePlan:
     micro_batch: int | None = None
     memory: dict | None = field(default=None, compare=False)
     memory_line: str = field(default="", compare=False)
-    stage: str = "rl"  # recorded in each checkpoint's meta.json (StartFlags.stage)
+    stage: str = RL  # recorded in each checkpoint's meta.json (StartFlags.stage)
     # --use-opd: the teacher's weights (path, "hf" or "native"), verified with the rest, and
     # what its term adds to the advantage
     teacher_from: str | None = None
@@ -138,7 +139,7 @@ class ResumePlan:
         data = asdict(self)
         data["reasons"] = list(self.reasons)
         del data["memory_line"], data["teacher_line"]
-        if self.stage == "rl":  # only `mileage sft` plans say what they train
+        if self.stage == RL:  # only `mileage sft` plans say what they train
             del data["stage"]
         if self.teacher_from is None:  # the teacher's part only appears with --use-opd
             del data["teacher_from"], data["teacher_format"]
@@ -287,29 +288,6 @@ def _settings_change(info: CheckpointInfo | None, settings: tuple) -> list[str]:
     ]
 
 
-def _other_stage(
-    source: Source, stage: str, flags: StartFlags, disk: DiskState, reasons: list[str]
-) -> tuple[Source, bool]:
-    """--load names a checkpoint of the other stage (an SFT run's, for `mileage train`): this
-    run starts from its weights with a fresh optimizer, RNG and data position, as miles'
-    --finetune. Rerun, the same command finds this run's own checkpoints in --save (another
-    directory) and resumes them."""
-    save = disk.save
-    if save is not None and save.tracker.exists and save.tracker.valid and save.path != source.path:
-        own = native_source(save, None, "--ckpt-step")
-        if own.info is not None and own.info.meta.get("stage", "rl") == flags.stage:
-            reasons.append(
-                f"--save {save.path} holds this {flags.stage.upper()} run's checkpoints, started "
-                f"from the {stage.upper()} checkpoint --load names: resuming them ({own.reason})"
-            )
-            return own, own.iteration is not None
-    reasons.append(
-        f"{source.path} is an {stage.upper()} checkpoint: {flags.stage.upper()} starts from its "
-        "weights with a fresh optimizer, RNG and data position (as --finetune)"
-    )
-    return source, False
-
-
 def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
     """Decide how this run starts. Raises UserError for every state it refuses."""
     reasons: list[str] = []
@@ -351,9 +329,9 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
             )
         reasons.append(source.reason)
         resumable = source.iteration is not None and not flags.finetune
-        stage = source.info.meta.get("stage", "rl") if source.info is not None else "rl"
+        stage = recorded_stage(source.info)
         if stage != flags.stage and not flags.finetune:
-            source, resumable = _other_stage(source, stage, flags, disk, reasons)
+            source, resumable = other_stage(source, stage, flags.stage, disk.save, reasons)
         if source.iteration is None:
             reasons.append(
                 "a release checkpoint holds weights only: nothing to resume, start fresh"
