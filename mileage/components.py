@@ -351,9 +351,9 @@ def checkpoint_state(run: Run, rollout_id: int) -> CheckpointState:
             seed=run.cfg.loop.seed,
             settings=dict(run.cfg.trajectory_settings()),
             **extra,
-            **stage_meta(run.plan.stage),  # only SFT runs record theirs
             precision=run.plan.precision,
             micro_batch_size=run.actor.algo.micro_batch_size,
+            **stage_meta(run.plan.stage),  # only SFT runs record theirs
         ),
         critic=critic,
     )
