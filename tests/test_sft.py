@@ -128,6 +128,16 @@ def test_sft_learns_the_task_and_records_its_stage(reference):
     assert meta["stage"] == "sft"
 
 
+def test_plan_sft_plans_the_sft_run(reference, capsys):
+    where = ["--save", str(reference), "--load", str(reference)]
+    assert main(["plan", "--sft", "--json", *SFT_ARGS, *where]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["stage"] == "sft" and plan["action"] == "complete", plan
+    assert main(["plan", *SFT_ARGS, *where]) == 2  # as `mileage train`: RL would not continue it
+    err = capsys.readouterr().err
+    assert "holds SFT checkpoints: `mileage sft` continues them; to start RL from them" in err
+
+
 def test_kills_at_commit_points_resume_to_the_uninterrupted_tensors(reference, tmp_path):
     save = tmp_path / "run"
     outcomes = run_with_kills(SFT_ARGS, save, CHAIN, subcommand="sft")

@@ -48,7 +48,7 @@ from mileage.checkpoint.layout import (
     scan_dir,
 )
 from mileage.checkpoint.sources import Source, bad_tracker, list_complete, native_source
-from mileage.checkpoint.stages import RL, other_stage, recorded_stage
+from mileage.checkpoint.stages import RL, SFT, other_stage, recorded_stage
 from mileage.errors import UserError
 
 FRESH, RESUME, COMPLETE = "fresh", "resume", "complete"
@@ -292,6 +292,7 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
     """Decide how this run starts. Raises UserError for every state it refuses."""
     reasons: list[str] = []
     load = disk.load
+    other = None  # the stage of a checkpoint of the other stage that --load names
     if flags.ckpt_step is not None and flags.load is None:
         raise UserError("--ckpt-step selects a checkpoint under --load; --load is not set")
     if load is not None and load.exists and load.is_hf and not load.is_native:
@@ -331,6 +332,7 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
         resumable = source.iteration is not None and not flags.finetune
         stage = recorded_stage(source.info)
         if stage != flags.stage and not flags.finetune:
+            other = stage
             source, resumable = other_stage(source, stage, flags.stage, disk.save, reasons)
         if source.iteration is None:
             reasons.append(
@@ -389,9 +391,17 @@ def plan_start(flags: StartFlags, disk: DiskState) -> ResumePlan:
     ):
         # complete checkpoints, tracked or not (a release is weights only): a start that does
         # not continue them would write over them
-        continues_save = action == RESUME and os.path.realpath(source.path).startswith(
+        in_save = os.path.realpath(source.path).startswith(
             os.path.realpath(disk.save.path) + os.sep
         )
+        continues_save = action == RESUME and in_save
+        if not continues_save and other is not None and in_save:
+            raise UserError(
+                f"--save {disk.save.path} holds {other.upper()} checkpoints: `mileage "
+                f"{'sft' if other == SFT else 'train'}` continues them; to start "
+                f"{flags.stage.upper()} from them, keep --load {disk.save.path} and pass another "
+                "--save"
+            )
         if not continues_save:
             raise UserError(
                 f"--save {disk.save.path} already holds checkpoints ({list_complete(disk.save)} complete) "

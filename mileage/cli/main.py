@@ -61,8 +61,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from mileage.preflight import preflight, with_recorded_model
     from mileage.run_config import RunConfig
 
+    if args.sft:  # `mileage sft`'s plan: its loss and one answer per record, its stage
+        args = argparse.Namespace(
+            **{**vars(args), "loss_type": "sft_loss", "n_samples_per_prompt": 1}
+        )
     cfg = with_recorded_model(RunConfig.from_args(args), lambda line: print(line, file=sys.stderr))
-    plan = preflight(cfg).plan
+    plan = preflight(cfg, supervised=args.sft).plan
     if not args.json and cfg.demo_note():
         print(cfg.demo_note())
     if args.json:
@@ -99,6 +103,9 @@ def _add_run_command(name: str, func, asynchronous: bool) -> Callable[[Any], Non
             parser.set_defaults(loss_type="sft_loss", n_samples_per_prompt=1)
         if name == "plan":
             parser.add_argument("--json", action="store_true", help="machine-readable output")
+            parser.add_argument(
+                "--sft", action="store_true", help="plan `mileage sft` (default: train)"
+            )
         parser.set_defaults(func=func)
 
     return build

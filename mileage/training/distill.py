@@ -177,7 +177,9 @@ def served_teacher_line(cfg: OpdConfig, student_tokenizer, student_from: str) ->
             f"--opd-teacher-url {url}: no answer from /get_model_info ({describe(exc)}); start "
             "the teacher server first"
         ) from None
-    path = info.get("tokenizer_path") or info.get("model_path") if isinstance(info, dict) else None
+    path = (
+        (info.get("tokenizer_path") or info.get("model_path")) if isinstance(info, dict) else None
+    )
     checked = ""
     if isinstance(path, str) and os.path.isdir(path):
         problem = tokenizer_difference(student_tokenizer, load_tokenizer(path))
