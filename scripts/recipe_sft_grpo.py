@@ -53,9 +53,10 @@ def main() -> None:
               "--rollout-max-response-len", str(MAX_LEN), "--eval-interval", "10",
               "--num-threads", threads]  # fmt: skip
     sft, grpo = out / "sft", out / "grpo"
+    # the last SFT checkpoint only: SmolLM2's are 1.6 GB each
     run(["sft", *common, "--num-rollout", str(args.sft_rollouts), "--rollout-batch-size", "16",
-         "--lr", args.sft_lr, "--load", str(sft),
-         "--save-keep-last", "1"], sft, out / "sft.log")  # 1.6 GB per checkpoint; fmt: skip
+         "--lr", args.sft_lr, "--load", str(sft), "--save-keep-last", "1"],
+        sft, out / "sft.log")  # fmt: skip
     run(["train", *common, "--num-rollout", str(args.grpo_rollouts), "--rollout-batch-size", "8",
          "--n-samples-per-prompt", "8", "--rollout-temperature", "1.0", "--lr", "1e-5",
          # the SFT run: a rerun finds this RL run's own checkpoints in --save and resumes them
