@@ -46,6 +46,7 @@ from mileage.distributed import env
 from mileage.distributed.checkpoint import rng_of_this_rank
 from mileage.distributed.coordination import stop_together
 from mileage.distributed.parallelize import shard_from_rank0
+from mileage.distributed.remote import once_for_all_ranks
 from mileage.distributed.setup import distribute_run
 from mileage.metrics import MetricsLog
 from mileage.models.activation_checkpointing import enable_activation_checkpointing
@@ -239,6 +240,7 @@ def build_run(cfg: RunConfig, pre: Preflight, log) -> Run:
         context_length(model_config) or DEFAULT_CONTEXT,
         model_config.get("vocab_size"),
     )
+    agent.score_once = once_for_all_ranks(engine)
     served = None
     if cfg.opd.use_opd and cfg.opd.opd_type == SERVED:
         served = ServedTeacher(

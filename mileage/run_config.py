@@ -312,6 +312,7 @@ class RunConfig:
         self.checkpoint.validate()
         self.critic.validate(self.algo.advantage_estimator)
         self.opd.validate()
+        self.reward.validate()
         self.parallel.validate(env.world_size(), *self.algo.batch_sizes(r.samples_per_rollout))
         self.engine.validate()
         self.multiturn.validate()

@@ -170,3 +170,13 @@ def where_driven(engine, job: Callable[[Any], T]) -> T:
     if isinstance(engine, RemoteEngineOnRank0) and env.is_distributed():
         return on_rank0(lambda: job(engine.engine))
     return job(engine)
+
+
+def once_for_all_ranks(engine) -> Callable[[Callable[[], T]], T]:
+    """How a reward that may answer differently when asked again (a judge, a reward server) is
+    scored: by rank 0 for every rank where every rank joins the engine's `generate` (and so
+    holds the same gathered samples); in place where rank 0 alone drives a remote engine
+    (`where_driven`) or in one process. Asked once, the journal has one writer."""
+    if env.is_distributed() and not isinstance(engine, RemoteEngineOnRank0):
+        return on_rank0
+    return lambda work: work()

@@ -27,6 +27,7 @@ from mileage.rollout.journal import ToolJournal
 from mileage.rollout.multiturn import GenerateContext, MultiTurnConfig, tool_loop
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, score_samples
+from mileage.rollout.rewards.journaled import scored_once
 from mileage.rollout.sample import TOOL_ERROR, TOOL_TIMEOUT, Sample
 from mileage.rollout.tool_parsers import ToolFormat, tool_format
 from mileage.rollout.toolpool import ToolPool
@@ -135,6 +136,8 @@ class Agent:
         self.pool = ToolPool(path, self.cfg.tool_timeout, self.cfg.tool_workers) if path else None
         # the agents' OpenAI-compatible endpoint, started by the first agent rollout
         self.endpoint = AgentEndpoint() if user.agent is not None else None
+        # a journaled reward's scoring, once for all ranks (set by the run under torchrun)
+        self.score_once: Callable[[Callable[[], list[float]]], list[float]] = lambda work: work()
 
     @property
     def multi_turn(self) -> bool:
@@ -170,13 +173,22 @@ class Agent:
             samples = self._generate_multi_turn(
                 engine, prompts, params, n_samples, seed, rollout_id
             )
-        self.score(samples, n_samples)
+        self.score(samples, n_samples, rollout_id)
         return samples
 
-    def score(self, samples: list[Sample], group_size: int) -> None:
-        """Each sample's reward: an agent's own (or 0 for a failed agent), else the run's."""
+    def score(self, samples: list[Sample], group_size: int, slot: int | None = None) -> None:
+        """Each sample's reward: an agent's own (or 0 for a failed agent), else the run's; a
+        reward that may answer differently when asked again is journaled in round `slot`'s file
+        (`rewards.journaled`; evaluation passes no slot) and computed once (`score_once`)."""
         given = [(s.reward, s.agent_stats) for s in samples]
-        rewards = score_samples(self.reward_fn, samples, self.config, group_size, self.group_rm)
+        rewards = scored_once(
+            self.reward_fn,
+            lambda: score_samples(self.reward_fn, samples, self.config, group_size, self.group_rm),
+            self.journal,
+            slot,
+            samples,
+            self.score_once,
+        )
         for sample, reward, (own, stats) in zip(samples, rewards, given, strict=True):
             agent_set = stats is not None and (stats["own_reward"] or sample.agent_failure)
             sample.reward = own if agent_set else reward

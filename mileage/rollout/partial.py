@@ -39,8 +39,10 @@ from mileage.rollout.dynamic import (
     take_buffered,
 )
 from mileage.rollout.engines.base import Completion, Engine, SamplingParams, SamplingSeed
+from mileage.rollout.journal import ToolJournal
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, score_all
+from mileage.rollout.rewards.journaled import scored_once
 from mileage.rollout.rollout import PromptEncoder, Sample, inadmissible
 
 # advance(in-flight groups, new prompts, slot) -> the round's groups, in-flight ones first
@@ -72,6 +74,7 @@ class RoundGenerator:
     n_samples: int
     reward_fn: RewardFn
     seed: int
+    journal: ToolJournal | None = None  # where a journaled reward's scores go (rewards.journaled)
 
     def __call__(
         self, carried: list[Group], prompts: list[Prompt], slot: int, rollout_id: int
@@ -91,7 +94,7 @@ class RoundGenerator:
             )
             sample.weight_version = c.weight_version
             sample.finished = c.finished
-        self.score([g for g in groups if group_complete(g, max_len)])
+        self.score([g for g in groups if group_complete(g, max_len)], slot)
         return groups
 
     def generate(
@@ -133,14 +136,15 @@ class RoundGenerator:
         ]
         return Group(slot, rollout_id, samples)
 
-    def score(self, groups: list[Group]) -> None:
-        """Decode and reward the samples of groups that just finished (one batch)."""
+    def score(self, groups: list[Group], slot: int) -> None:
+        """Decode and reward the samples of groups that just finished in round `slot`."""
         samples = [s for g in groups for s in g.samples]
         decode = self.encode.tokenizer.decode
         for s in samples:
             s.response = decode(s.response_ids, skip_special_tokens=True)
-        rewards = score_all(
-            self.reward_fn, [(s.prompt.text, s.response, s.prompt.label) for s in samples]
+        triples = [(s.prompt.text, s.response, s.prompt.label) for s in samples]
+        rewards = scored_once(
+            self.reward_fn, lambda: score_all(self.reward_fn, triples), self.journal, slot, samples
         )
         for s, r in zip(samples, rewards, strict=True):
             s.reward = r

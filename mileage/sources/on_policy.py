@@ -148,6 +148,7 @@ def partial_rollout(run: Run, rollout_id: int):
         rc.n_samples_per_prompt,
         run.reward_fn,
         run.cfg.loop.seed,
+        run.agent.journal if run.agent is not None else None,
     )
 
     def advance(carried, prompts, slot):

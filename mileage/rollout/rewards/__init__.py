@@ -20,6 +20,7 @@ that raises or calls sys.exit is named with its flag.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import math
 import numbers
@@ -27,8 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mileage.config import option
+from mileage.config import flag_of, option
 from mileage.errors import UserError
+from mileage.rollout.rewards.judge import JudgeReward, load_template
 from mileage.rollout.rewards.remote import RemoteReward
 from mileage.rollout.rewards.rules import BOXED, RULES, last_boxed
 from mileage.rollout.userfn import (
@@ -42,7 +44,7 @@ from mileage.rollout.userfn import (
 )
 
 RewardFn = Callable[[str, str, str], float]
-RM_TYPES = (*RULES, *BOXED, "remote_rm", "boxed_remote_rm")
+RM_TYPES = (*RULES, *BOXED, "remote_rm", "boxed_remote_rm", "llm_judge")
 # the largest |reward| the run trains on. Group normalisation sums rewards and their squares: at
 # 1e308 the sum overflows to inf and every advantage of the group is nan (a reward of 1e308 got
 # that far); 1e6 keeps squares and sums of any group exact enough in float64 and finite in the
@@ -71,10 +73,40 @@ class RewardConfig:
         "score each prompt's group at once: --custom-rm-path is fn(config, samples) -> one "
         "reward per sample (miles' meaning)",
     )
-    rm_url: str | None = option(None, "reward server for remote_rm: POST {prompt, response, label}")
-    rm_timeout: float = option(30.0, "remote_rm: seconds to wait for one answer")
-    rm_retries: int = option(3, "remote_rm: retries of a failed request before the run stops")
-    rm_max_concurrency: int = option(32, "remote_rm: requests in flight at once")
+    rm_url: str | None = option(
+        None,
+        "reward server for remote_rm (POST {prompt, response, label}); for llm_judge the judge's "
+        "OpenAI base URL (e.g. http://127.0.0.1:8000/v1)",
+    )
+    rm_timeout: float = option(30.0, "remote_rm, llm_judge: seconds to wait for one answer")
+    rm_retries: int = option(
+        3,
+        "remote_rm, llm_judge: retries of a failed request or unreadable reply before the run stops",
+    )
+    rm_max_concurrency: int = option(32, "remote_rm, llm_judge: requests in flight at once")
+    judge_prompt_path: str | None = option(
+        None,
+        "llm_judge: the prompt template file; {prompt}, {response}, {label} and {max_score} are "
+        "filled in. Default: a 0..max grading prompt asking for 'Score: N' (docs/judges.md)",
+    )
+    judge_model: str | None = option(
+        None, "llm_judge: the model name sent to the judge server (default: the first it lists)"
+    )
+    judge_max_score: float = option(
+        10.0, "llm_judge: the top of the judge's scale; the reward is score / this, in [0, 1]"
+    )
+    judge_max_tokens: int = option(512, "llm_judge: the judge's reply cap, in tokens")
+    judge_temperature: float = option(0.0, "llm_judge: the judge's sampling temperature")
+
+    def validate(self) -> None:
+        """Judge flags belong to --rm-type llm_judge: given without it they would do nothing."""
+        judge = [f for f in dataclasses.fields(self) if f.name.startswith("judge_")]
+        given = [flag_of(RewardConfig, f.name) for f in judge if getattr(self, f.name) != f.default]
+        if given and self.rm_type != "llm_judge":
+            raise UserError(
+                f"{', '.join(given)} configure the LLM judge; add --rm-type llm_judge --rm-url "
+                "URL or drop them"
+            )
 
 
 def checked_reward(value: Any, source: str, label: str) -> float:
@@ -175,6 +207,30 @@ def remote_reward(cfg: RewardConfig, boxed: bool) -> RemoteReward:
     )
 
 
+def llm_judge(cfg: RewardConfig) -> JudgeReward:
+    if not cfg.rm_url:
+        raise UserError("--rm-type llm_judge needs --rm-url (the judge's OpenAI base URL)")
+    if cfg.rm_timeout <= 0 or cfg.rm_retries < 0 or cfg.rm_max_concurrency <= 0:
+        raise UserError(
+            "--rm-timeout and --rm-max-concurrency must be positive and --rm-retries >= 0"
+        )
+    if not (cfg.judge_max_score > 0 and cfg.judge_max_tokens > 0 and cfg.judge_temperature >= 0):
+        raise UserError(
+            "--judge-max-score and --judge-max-tokens must be positive, --judge-temperature >= 0"
+        )
+    return JudgeReward(
+        cfg.rm_url,
+        cfg.judge_model,
+        load_template(cfg.judge_prompt_path),
+        cfg.judge_max_score,
+        cfg.judge_max_tokens,
+        cfg.judge_temperature,
+        cfg.rm_timeout,
+        cfg.rm_retries,
+        cfg.rm_max_concurrency,
+    )
+
+
 def build_reward_fn(
     cfg: RewardConfig,
     task_scorer: RewardFn | None = None,
@@ -190,6 +246,8 @@ def build_reward_fn(
         return task_scorer or RULES["exact"]
     if cfg.rm_type in ("remote_rm", "boxed_remote_rm"):
         return remote_reward(cfg, boxed=cfg.rm_type.startswith("boxed_"))
+    if cfg.rm_type == "llm_judge":
+        return llm_judge(cfg)
     return {**RULES, **BOXED}[cfg.rm_type]
 
 
@@ -197,6 +255,8 @@ def _source(fn: RewardFn) -> str:
     """How a failing reward is named."""
     if isinstance(fn, UserReward):
         return fn.source
+    if isinstance(fn, JudgeReward):
+        return "--rm-type llm_judge: the judge"
     if isinstance(fn, RemoteReward):
         return "--rm-type remote_rm: the reward server"
     return f"the reward {getattr(fn, '__qualname__', type(fn).__name__)}"

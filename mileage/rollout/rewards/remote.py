@@ -45,7 +45,11 @@ def parse_reward(body: bytes) -> float:
 
 
 class RemoteReward:
-    """Reward function that asks `url`; `score_batch` scores many samples at once."""
+    """Reward function that asks `url`; `score_batch` scores many samples at once. Subclasses
+    (the LLM judge) change what is sent (`body`) and how the answer is read (`parse`)."""
+
+    what = "reward server"  # how a failure names the server
+    flags = "--rm-timeout, --rm-retries"
 
     def __init__(
         self,
@@ -61,37 +65,47 @@ class RemoteReward:
         self.concurrency = concurrency
         self.transform = transform  # the boxed_ prefix sends only the boxed answer
 
-    def _attempt(self, payload: bytes) -> float:
+    def body(self, prompt: str, response: str, label: str) -> dict:
+        """The JSON request for one sample."""
+        return {"prompt": prompt, "response": self.transform(response), "label": label}
+
+    def parse(self, body: bytes) -> float:
+        """The reward in an answer's body, or RewardServerError (retried)."""
+        return parse_reward(body)
+
+    def request(self, url: str, payload: bytes | None, timeout_s: float) -> bytes:
+        """The body of one answer (GET without a payload), or RewardServerError."""
         request = urllib.request.Request(
-            self.url, data=payload, headers={"Content-Type": "application/json"}, method="POST"
+            url,
+            data=payload,
+            headers={"Content-Type": "application/json"},
+            method="POST" if payload is not None else "GET",
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-                return parse_reward(answer.read())
+            with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+                return answer.read()
         except urllib.error.HTTPError as exc:
             retry = exc.code >= 500 or exc.code == 429
             raise RewardServerError(f"answered HTTP {exc.code} {exc.reason}", retry) from None
         except TimeoutError:
-            raise RewardServerError(f"did not answer within {self.timeout_s:g}s") from None
+            raise RewardServerError(f"did not answer within {timeout_s:g}s") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             if isinstance(reason, TimeoutError):
-                raise RewardServerError(f"did not answer within {self.timeout_s:g}s") from None
+                raise RewardServerError(f"did not answer within {timeout_s:g}s") from None
             raise RewardServerError(f"unreachable ({reason})") from None
 
     def __call__(self, prompt: str, response: str, label: str) -> float:
-        payload = json.dumps(
-            {"prompt": prompt, "response": self.transform(response), "label": label}
-        ).encode()
+        payload = json.dumps(self.body(prompt, response, label)).encode()
         for attempt in range(self.retries + 1):
             try:
-                return self._attempt(payload)
+                return self.parse(self.request(self.url, payload, self.timeout_s))
             except RewardServerError as exc:
                 if not exc.retry or attempt == self.retries:
                     raise UserError(
-                        f"reward server {self.url} {exc} (attempt {attempt + 1} of "
-                        f"{self.retries + 1}; see --rm-timeout, --rm-retries); the last "
-                        "checkpoint is unchanged"
+                        f"{self.what} {self.url} {exc} (attempt {attempt + 1} of "
+                        f"{self.retries + 1}; see {self.flags}); the last checkpoint is "
+                        "unchanged"
                     ) from None
                 time.sleep(min(BACKOFF_BASE_S * 2**attempt, BACKOFF_MAX_S))
         raise AssertionError("unreachable")

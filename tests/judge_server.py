@@ -1,0 +1,117 @@
+"""A stand-in LLM judge for the tests: an OpenAI-compatible server (`GET /v1/models`, `POST
+/v1/chat/completions`) whose replies are scripted, so the tests control what the judge says.
+
+    python tests/judge_server.py MODE PORT_FILE [--die-after N] [--log FILE]
+
+MODE:
+- digits: deterministic; the response's digit sum mod 11 as "Score: N" (10 when it contains
+  the label), found between the default template's "Answer to grade:" and "Rate how well", or
+  in a test template's "<<...>>";
+- random: "Score: N" with N from os.urandom on every call (a judge that samples);
+- garbage: "I cannot grade this." (no score);
+- think: a reasoning reply, "<think>Score: 1</think> ... Final score: 7/10".
+--die-after N: the process exits (no reply) at its N+1-th chat request, as a killed server.
+--log FILE: one line per chat request (the response graded), to count the calls.
+The port is written to PORT_FILE once the server listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+DEFAULT_TEMPLATE = re.compile(r"Answer to grade:\n(.*?)\n\nRate how well", re.S)
+TEST_TEMPLATE = re.compile(r"<<(.*?)>>", re.S)
+LABEL = re.compile(r"Reference answer:\n(.*?)\n\nAnswer to grade", re.S)
+
+
+def response_of(content: str) -> tuple[str, str]:
+    found = DEFAULT_TEMPLATE.search(content) or TEST_TEMPLATE.search(content)
+    label = LABEL.search(content)
+    return (found.group(1) if found else content), (label.group(1) if label else "")
+
+
+def reply(mode: str, content: str) -> str:
+    response, label = response_of(content)
+    if mode == "digits":
+        if label and label in response:
+            return "Score: 10"
+        return f"Score: {sum(int(c) for c in response if c.isdigit()) % 11}"
+    if mode == "random":
+        return f"Score: {os.urandom(1)[0] % 11}"
+    if mode == "garbage":
+        return "I cannot grade this."
+    if mode == "think":
+        return "<think>At first glance Score: 1, but</think> it is mostly right. Final score: 7/10"
+    raise ValueError(mode)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("digits", "random", "garbage", "think"))
+    parser.add_argument("port_file")
+    parser.add_argument("--die-after", type=int, default=None)
+    parser.add_argument("--log", default=None)
+    args = parser.parse_args()
+    served = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format, *a) -> None:  # noqa: A002 - the stdlib's name
+            pass
+
+        def _send(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": "stand-in-judge"}]})
+            else:
+                self._send(404, {"error": {"message": "not found"}})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/v1/chat/completions":
+                self._send(404, {"error": {"message": "not found"}})
+                return
+            served[0] += 1
+            if args.die_after is not None and served[0] > args.die_after:
+                os._exit(1)  # the server dies with the request unanswered
+            content = body["messages"][-1]["content"]
+            if args.log:
+                with open(args.log, "a") as f:
+                    f.write(json.dumps(response_of(content)[0]) + "\n")
+            text = reply(args.mode, content)
+            self._send(
+                200,
+                {
+                    "id": f"chatcmpl-{served[0]}",
+                    "object": "chat.completion",
+                    "model": body.get("model"),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": text},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                },
+            )
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    tmp = Path(args.port_file + ".tmp")
+    tmp.write_text(str(server.server_address[1]))
+    tmp.rename(args.port_file)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
