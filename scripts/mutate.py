@@ -154,6 +154,8 @@ class Mutant:
 
 COMPOSE = "tests/test_compose.py"
 DISTILL = "tests/test_distill.py"
+JUDGE = "tests/test_judge.py"
+JUDGE_CRASH = "tests/test_judge_crash.py"
 SERVED_TEACHER = "tests/test_distill_served.py"
 SFT = "tests/test_sft.py"
 
@@ -2313,6 +2315,47 @@ MUTANTS = [
         "    return [(plan.weights_from, plan.weights_format), reference, critic, teacher]\n",
         "    return [(plan.weights_from, plan.weights_format), reference, critic]\n",
         (f"{DISTILL}::test_a_damaged_teacher_is_refused_before_anything_loads",),
+    ),
+    Mutant(
+        "judge-score-replayed-for-wrong-sample",
+        "a rerun reads a round's journaled judge scores back in the wrong order: each sample "
+        "trains on another sample's reward",
+        "mileage/rollout/rewards/journaled.py",
+        '        return [float(e["reward"]) for e in entries if e is not None]\n',
+        '        return [float(e["reward"]) for e in reversed(entries) if e is not None]\n',
+        (
+            f"{JUDGE}::test_journaled_rewards_replay_only_for_the_samples_they_were_given_to",
+            f"{JUDGE_CRASH}::test_a_sampling_judge_s_scores_are_replayed_from_the_journal_after_a_kill",
+        ),
+    ),
+    Mutant(
+        "judge-replay-ignores-the-sample",
+        "a journaled reward is replayed for whatever sample now sits at its place",
+        "mileage/rollout/rewards/journaled.py",
+        '    if all(e is not None and e.get("sample") == d for e, d in zip(entries, digests, strict=True)):\n',
+        "    if all(e is not None for e in entries):\n",
+        (f"{JUDGE}::test_journaled_rewards_replay_only_for_the_samples_they_were_given_to",),
+    ),
+    Mutant(
+        "judge-not-journaled",
+        "a judge's (or reward server's) scores are not journaled: a rerun asks again",
+        "mileage/rollout/rewards/journaled.py",
+        '    return isinstance(fn, UserReward | RemoteReward) or bool(getattr(fn, "journaled", False))\n',
+        '    return isinstance(fn, UserReward) or bool(getattr(fn, "journaled", False))\n',
+        (
+            f"{JUDGE_CRASH}::test_a_sampling_judge_s_scores_are_replayed_from_the_journal_after_a_kill",
+        ),
+    ),
+    Mutant(
+        "judge-unreadable-reply-scored-zero",
+        "a judge reply without a score counts as 0 instead of stopping the run",
+        "mileage/rollout/rewards/judge.py",
+        "    if found is None:\n        raise JudgeReplyError(\n",
+        "    if found is None:\n        return 0.0\n        raise JudgeReplyError(\n",
+        (
+            f"{JUDGE}::test_an_unreadable_reply_is_a_named_failure_never_a_zero",
+            f"{JUDGE_CRASH}::test_a_garbage_or_absent_judge_is_one_line_and_exit_2",
+        ),
     ),
 ]
 

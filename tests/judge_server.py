@@ -4,9 +4,9 @@
     python tests/judge_server.py MODE PORT_FILE [--die-after N] [--log FILE]
 
 MODE:
-- digits: deterministic; the response's digit sum mod 11 as "Score: N" (10 when it contains
-  the label), found between the default template's "Answer to grade:" and "Rate how well", or
-  in a test template's "<<...>>";
+- graded: deterministic; "Score: 10" when the response contains the label, 5 when it starts
+  with the label's first character, else 0 (the response is found between the default
+  template's "Answer to grade:" and "Rate how well", or in a test template's "<<...>>");
 - random: "Score: N" with N from os.urandom on every call (a judge that samples);
 - garbage: "I cannot grade this." (no score);
 - think: a reasoning reply, "<think>Score: 1</think> ... Final score: 7/10".
@@ -21,6 +21,9 @@ import argparse
 import json
 import os
 import re
+import subprocess
+import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -37,10 +40,10 @@ def response_of(content: str) -> tuple[str, str]:
 
 def reply(mode: str, content: str) -> str:
     response, label = response_of(content)
-    if mode == "digits":
+    if mode == "graded":  # whole marks for the label, half for its first digit, else none
         if label and label in response:
             return "Score: 10"
-        return f"Score: {sum(int(c) for c in response if c.isdigit()) % 11}"
+        return "Score: 5" if label and response[:1] == label[:1] else "Score: 0"
     if mode == "random":
         return f"Score: {os.urandom(1)[0] % 11}"
     if mode == "garbage":
@@ -50,9 +53,31 @@ def reply(mode: str, content: str) -> str:
     raise ValueError(mode)
 
 
+class StandIn:
+    """tests/judge_server.py in its own process group, stopped by pid."""
+
+    def __init__(self, tmp: Path, mode: str, *extra: str):
+        port_file = tmp / f"judge-{mode}-{time.monotonic_ns()}.port"
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, mode, str(port_file), *extra], start_new_session=True
+        )
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the stand-in judge ({mode}) did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port_file.read_text()}/v1"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("digits", "random", "garbage", "think"))
+    parser.add_argument("mode", choices=("graded", "random", "garbage", "think"))
     parser.add_argument("port_file")
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--log", default=None)

@@ -5,13 +5,10 @@ they were given to."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from judge_server import StandIn
 
 from mileage.errors import UserError
 from mileage.rollout.journal import ToolJournal
@@ -26,30 +23,6 @@ from mileage.rollout.rewards.judge import (
     render,
 )
 from mileage.rollout.rewards.rules import RULES
-
-SERVER = Path(__file__).with_name("judge_server.py")
-
-
-class StandIn:
-    """tests/judge_server.py in its own process group, stopped by pid."""
-
-    def __init__(self, tmp: Path, mode: str, *extra: str):
-        port_file = tmp / f"judge-{mode}-{time.monotonic_ns()}.port"
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SERVER), mode, str(port_file), *extra], start_new_session=True
-        )
-        deadline = time.monotonic() + 30
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the stand-in judge ({mode}) did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{port_file.read_text()}/v1"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture
@@ -127,14 +100,14 @@ def judge_config(url: str, **overrides) -> RewardConfig:
 
 
 def test_the_judge_scores_through_an_openai_compatible_server(stand_in):
-    judge = build_reward_fn(judge_config(stand_in("digits").url))
+    judge = build_reward_fn(judge_config(stand_in("graded").url))
     assert isinstance(judge, JudgeReward) and journaled(judge)
     assert judge.model == "stand-in-judge"  # the first model the server lists
-    # digit sum mod 11 over 10; 10 when the response contains the label
-    assert score_all(judge, [("1+2=", "12", "9"), ("1+2=", "3", "3"), ("q", "99", "0")]) == [
-        pytest.approx(0.3),
+    # whole marks for the label, half for its first character, else none (over 10)
+    assert score_all(judge, [("1+2=", "12", "9"), ("1+2=", "3", "3"), ("q", "93", "97")]) == [
+        0.0,
         1.0,
-        pytest.approx(0.7),
+        0.5,
     ]
     body = judge.body("1+2=", "3", "3")
     assert body["model"] == "stand-in-judge" and body["temperature"] == 0.0
@@ -158,7 +131,7 @@ def test_a_judge_that_answers_garbage_stops_the_run_quoting_its_reply(stand_in):
 
 
 def test_an_unreachable_or_wrong_judge_is_refused_before_anything_runs(stand_in, tmp_path):
-    judge = stand_in("digits")
+    judge = stand_in("graded")
     url = judge.url
     judge.stop()
     with pytest.raises(UserError, match=r"unreachable .* when asked for /models; --rm-url takes"):
