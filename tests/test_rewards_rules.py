@@ -102,7 +102,8 @@ def test_boxed_prefix_grades_only_the_last_box(name, response, label, expected):
 
 def test_every_name_is_offered():
     rules = {"exact", "math", "dapo", "deepscaler", "f1", "remote_rm"}
-    assert set(RM_TYPES) == rules | {f"boxed_{name}" for name in rules}
+    # and the LLM judge, which grades the whole response (tests/test_judge.py)
+    assert set(RM_TYPES) == rules | {f"boxed_{name}" for name in rules} | {"llm_judge"}
 
 
 def test_default_is_the_task_scorer_else_exact():
