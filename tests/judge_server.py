@@ -9,6 +9,8 @@ MODE:
   template's "Answer to grade:" and "Rate how well", or in a test template's "<<...>>");
 - random: "Score: N" with N from os.urandom on every call (a judge that samples);
 - garbage: "I cannot grade this." (no score);
+- verdict: verifiers' reference judge: "yes" when the response equals the reference answer in
+  its prompt (verifiers/v1/judges/reference.txt), else "no";
 - think: a reasoning reply, "<think>Score: 1</think> ... Final score: 7/10".
 --die-after N: the process exits (no reply) at its N+1-th chat request, as a killed server.
 --log FILE: one line per chat request (the response graded), to count the calls.
@@ -30,6 +32,8 @@ from pathlib import Path
 DEFAULT_TEMPLATE = re.compile(r"Answer to grade:\n(.*?)\n\nRate how well", re.S)
 TEST_TEMPLATE = re.compile(r"<<(.*?)>>", re.S)
 LABEL = re.compile(r"Reference answer:\n(.*?)\n\nAnswer to grade", re.S)
+VF_ANSWER = re.compile(r"Reference answer:\n```\n(.*?)\n```", re.S)
+VF_RESPONSE = re.compile(r"Response:\n```\n(.*?)\n```", re.S)
 
 
 def response_of(content: str) -> tuple[str, str]:
@@ -46,6 +50,9 @@ def reply(mode: str, content: str) -> str:
         return "Score: 5" if label and response[:1] == label[:1] else "Score: 0"
     if mode == "random":
         return f"Score: {os.urandom(1)[0] % 11}"
+    if mode == "verdict":
+        answer, given = VF_ANSWER.search(content), VF_RESPONSE.search(content)
+        return "yes" if answer and given and answer.group(1) == given.group(1) else "no"
     if mode == "garbage":
         return "I cannot grade this."
     if mode == "think":
@@ -77,7 +84,7 @@ class StandIn:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("graded", "random", "garbage", "think"))
+    parser.add_argument("mode", choices=("graded", "random", "garbage", "think", "verdict"))
     parser.add_argument("port_file")
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--log", default=None)

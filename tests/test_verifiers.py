@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 from conftest import builtin_train_args
+from judge_server import StandIn
 
 from mileage.checkpoint.inspect import list_checkpoints
 from mileage.errors import UserError
@@ -401,3 +402,30 @@ def test_training_on_a_taskset_resumes_exactly(tmp_path, cli, builtin_model, pac
     )
     assert multi.returncode == 2 and multi.stderr.strip().count("\n") == 0, multi.stderr
     assert "rubric scores one-turn answers" in multi.stderr and not (tmp_path / "y").exists()
+
+
+def test_a_task_whose_judge_is_a_model_is_scored_through_it_and_journaled(
+    packages, tmp_path, monkeypatch
+):
+    judge = StandIn(tmp_path, "verdict")  # verifiers' reference judge: yes when it matches
+    monkeypatch.setenv("MILEAGE_TEST_JUDGE_KEY", "unused")
+    plugged = {"id": "reference", "base_url": judge.url, "model": "stand-in-judge"}
+    plugged["api_key_var"] = "MILEAGE_TEST_JUDGE_KEY"
+    spec = f"verifiers:vf_addition?limit=3&task={json.dumps({'judges': [plugged]})}"
+    try:
+        cfg = DataConfig(prompt_data=spec)
+        first = load_train_prompts(cfg)[0]  # 03+05=8 -> "8"
+        reward = task_reward(cfg)
+        assert reward.journaled  # its rewards are recorded with the rollout (rewards.journaled)
+        # correct (1) + short (0.5) + the judge's verdict (weight 1)
+        assert reward.score_batch([(first.text, "8", first.label)] * 3) == [2.5] * 3
+        assert reward(first.text, "9", first.label) == 0.5
+        assert not task_reward(DataConfig(prompt_data="verifiers:vf_addition?limit=3")).journaled
+    finally:
+        judge.stop()
+    # the judge gone: retried, then one line naming the task
+    with pytest.raises(UserError) as caught:
+        reward(first.text, "8", first.label)
+    message = str(caught.value)
+    assert message.startswith("the verifiers rubric of task 0 (AddTask) failed: ")
+    assert message.endswith("(attempt 3 of 3: its judges)") and "\n" not in message

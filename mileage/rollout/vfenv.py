@@ -21,9 +21,17 @@ start with the reason: a taskset that bundles its own `Env` or harness, tasks wi
 sandbox runtime. docs/verifiers.md says why (verifiers 0.4.0 drives turns from a harness program
 in a sandbox, over HTTP, not from hooks a trainer can call).
 
+Judges plugged into the task config (`?task={"judges": [{"id": "reference", "base_url": ...}]}`,
+verifiers' `reference`, `rubric` and `decision` judges or an installed one) score over the network
+with verifiers' own client, after the task's rewards, at most MAX_CONCURRENT_SCORES tasks at once,
+each within the task's scoring timeout; a failing judge call (verifiers raises rather than score
+the model 0) is retried JUDGE_ATTEMPTS times in all, then stops the run in one line.
+
 Exact resume: a task's state is its data (`idx` and fields, hashed into the task key the prompt's
-label carries) plus the sample's response; the reward is recomputed from them, so a resumed run
-scores the same trajectories the same way.
+label carries) plus the sample's response; without judges the reward is recomputed from them, so
+a resumed run scores the same trajectories the same way. With judges the scorer is `journaled`:
+its rewards are recorded with the rollout and read back by a rerun (`rewards.journaled`), so a
+judge that would now answer otherwise does not change the resumed run.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ PREFIX = "verifiers:"
 INSTALL = "pip install 'mileage[verifiers]'"
 # verifiers' own select views; every other key goes to the taskset's config
 VIEW_KEYS = ("limit", "skip")
+MAX_CONCURRENT_SCORES = 32  # tasks scored at once (each may call its judges)
+JUDGE_ATTEMPTS = 3  # tries of a task with judges whose scoring failed
 
 
 def is_verifiers_spec(text: str | None) -> bool:
@@ -185,11 +195,6 @@ def _check_task(vf, task, flag: str, spec: VerifiersSpec) -> None:
                 f"{flag} {spec}: task {name} overrides {hook}(), which prepares a sandbox "
                 "runtime; mileage scores without one"
             )
-    if task.config.judges:
-        raise UserError(
-            f"{flag} {spec}: task {name} plugs judges (a model called over the network to score); "
-            "mileage scores offline and deterministically, so they are not supported"
-        )
     offline = [fn for fn in task.hooks("reward") if "runtime" not in _required_params(fn)]
     if not offline:
         raise UserError(
@@ -294,10 +299,12 @@ class VerifiersScorer:
 
     def __init__(self) -> None:
         self._tasks: dict[str, Any] = {}
+        self.journaled = False  # True once a task plugs judges (a model over the network)
 
     def add(self, tasks: tuple[Any, ...]) -> None:
         for task in tasks:
             self._tasks[task.key] = task
+            self.journaled = self.journaled or bool(task.config.judges)
 
     def __call__(self, prompt: str, response: str, label: str) -> float:
         return self.score_batch([(prompt, response, label)])[0]
@@ -306,7 +313,13 @@ class VerifiersScorer:
         """All of a rollout's samples concurrently (verifiers' rewards are coroutines)."""
 
         async def gather() -> list[float]:
-            return await asyncio.gather(*(self._score(*item) for item in items))
+            bound = asyncio.Semaphore(MAX_CONCURRENT_SCORES)
+
+            async def one(item: tuple[str, str, str]) -> float:
+                async with bound:
+                    return await self._score(*item)
+
+            return await asyncio.gather(*(one(item) for item in items))
 
         return asyncio.run(gather())
 
@@ -317,22 +330,24 @@ class VerifiersScorer:
                 "the verifiers scorer can only grade prompts of its verifiers: environment; set "
                 "--rm-type to grade other prompt data"
             )
-        trace = one_turn_trace(task, response)
+        attempts = JUDGE_ATTEMPTS if task.config.judges else 1
         limit = task.data.timeout.scoring  # the task's own scoring deadline (None: no limit)
-        try:
-            async with asyncio.timeout(limit):
-                await task.score(trace)
-        except TimeoutError:
-            raise UserError(
-                f"the verifiers rubric of task {task.data.idx} ({type(task).__name__}) ran past "
-                f"its scoring timeout of {limit:g} s"
-            ) from None
-        except Exception as exc:  # noqa: BLE001 - the rubric is the environment's code
-            raise UserError(
-                f"the verifiers rubric of task {task.data.idx} ({type(task).__name__}) failed: "
-                f"{_one_line(exc)}"
-            ) from None
-        return float(trace.reward)
+        for attempt in range(1, attempts + 1):
+            trace = one_turn_trace(task, response)
+            try:
+                async with asyncio.timeout(limit):
+                    await task.score(trace)
+                return float(trace.reward)
+            except TimeoutError:
+                failure = f"ran past its scoring timeout of {limit:g} s"
+            except Exception as exc:  # noqa: BLE001 - the rubric is the environment's code
+                failure = f"failed: {_one_line(exc)}"
+            if attempt < attempts:
+                await asyncio.sleep(0.2 * 2 ** (attempt - 1))
+        tries = f" (attempt {attempts} of {attempts}: its judges)" if attempts > 1 else ""
+        raise UserError(
+            f"the verifiers rubric of task {task.data.idx} ({type(task).__name__}) {failure}{tries}"
+        )
 
 
 def check_one_turn(reward_fn: object, generates_turns: bool) -> None:
