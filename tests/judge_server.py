@@ -1,7 +1,7 @@
 """A stand-in LLM judge for the tests: an OpenAI-compatible server (`GET /v1/models`, `POST
 /v1/chat/completions`) whose replies are scripted, so the tests control what the judge says.
 
-    python tests/judge_server.py MODE PORT_FILE [--die-after N] [--log FILE]
+    python tests/judge_server.py MODE PORT_FILE [--port P] [--die-after N] [--log FILE]
 
 MODE:
 - graded: deterministic; "Score: 10" when the response contains the label, 5 when it starts
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("port_file")
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--log", default=None)
+    parser.add_argument("--port", type=int, default=0, help="0: any free port")
     args = parser.parse_args()
     served = [0]
 
@@ -138,7 +139,10 @@ def main() -> None:
                 },
             )
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    # a rollout's requests arrive at once (--rm-max-concurrency 32): the stdlib's backlog of 5
+    # would drop connections, which clients retry only after a second
+    ThreadingHTTPServer.request_queue_size = 128
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     tmp = Path(args.port_file + ".tmp")
     tmp.write_text(str(server.server_address[1]))
     tmp.rename(args.port_file)

@@ -75,6 +75,8 @@ class RoundGenerator:
     reward_fn: RewardFn
     seed: int
     journal: ToolJournal | None = None  # where a journaled reward's scores go (rewards.journaled)
+    # how a journaled reward is scored once for all ranks (`Agent.score_once`)
+    score_once: Callable[[Callable[[], list[float]]], list[float]] = lambda work: work()
 
     def __call__(
         self, carried: list[Group], prompts: list[Prompt], slot: int, rollout_id: int
@@ -144,7 +146,12 @@ class RoundGenerator:
             s.response = decode(s.response_ids, skip_special_tokens=True)
         triples = [(s.prompt.text, s.response, s.prompt.label) for s in samples]
         rewards = scored_once(
-            self.reward_fn, lambda: score_all(self.reward_fn, triples), self.journal, slot, samples
+            self.reward_fn,
+            lambda: score_all(self.reward_fn, triples),
+            self.journal,
+            slot,
+            samples,
+            self.score_once,
         )
         for s, r in zip(samples, rewards, strict=True):
             s.reward = r

@@ -149,6 +149,7 @@ def partial_rollout(run: Run, rollout_id: int):
         run.reward_fn,
         run.cfg.loop.seed,
         run.agent.journal if run.agent is not None else None,
+        run.agent.score_once if run.agent is not None else (lambda work: work()),
     )
 
     def advance(carried, prompts, slot):
