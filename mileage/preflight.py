@@ -233,6 +233,7 @@ def preflight(cfg: RunConfig, asynchronous: bool = False, supervised: bool = Fal
         built = DirState(flags.hf_checkpoint, True, hf_config=model_config, hf_weights=True)
         disk = replace(disk, hf_checkpoint=built)
     plan, memory = plan_start(flags, disk), None
+    plan = replace(plan, reward_line=getattr(reward_fn, "plan_line", ""))
     teacher_params = 0
     if cfg.opd.use_opd and plan.action != COMPLETE:
         teacher, line = plan_teacher(cfg.opd, tokenizer, hf_checkpoint_path(cfg), model_config)

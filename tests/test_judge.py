@@ -103,6 +103,9 @@ def test_the_judge_scores_through_an_openai_compatible_server(stand_in):
     judge = build_reward_fn(judge_config(stand_in("graded").url))
     assert isinstance(judge, JudgeReward) and journaled(judge)
     assert judge.model == "stand-in-judge"  # the first model the server lists
+    assert judge.plan_line.startswith(
+        f"reward: the LLM judge {judge.base} (model stand-in-judge, score / 10, temperature 0);"
+    )
     # whole marks for the label, half for its first character, else none (over 10)
     assert score_all(judge, [("1+2=", "12", "9"), ("1+2=", "3", "3"), ("q", "93", "97")]) == [
         0.0,

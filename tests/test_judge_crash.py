@@ -62,7 +62,9 @@ def judges(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(builtin_model, judges, tmp_path_factory) -> Path:
     save = tmp_path_factory.mktemp("judge_reference") / "run"
-    run_uninterrupted(judged(judges["graded"]), save)
+    done = run_uninterrupted(judged(judges["graded"]), save)
+    # the plan says what grades the run before it trains
+    assert f"  reward: the LLM judge {judges['graded']} (model stand-in-judge" in done.stdout
     logged = records(save)
     assert len(logged) == 3
     # the judge's half marks are among the rewards, and groups it scored alike were dropped

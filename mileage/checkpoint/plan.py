@@ -134,11 +134,13 @@ class ResumePlan:
     teacher_from: str | None = None
     teacher_format: str | None = None
     teacher_line: str = field(default="", compare=False)
+    # a reward that says how it decides (the LLM judge: where, which model, what scale)
+    reward_line: str = field(default="", compare=False)
 
     def to_json(self) -> str:
         data = asdict(self)
         data["reasons"] = list(self.reasons)
-        del data["memory_line"], data["teacher_line"]
+        del data["memory_line"], data["teacher_line"], data["reward_line"]
         if self.stage == RL:  # only `mileage sft` plans say what they train
             del data["stage"]
         if self.teacher_from is None:  # the teacher's part only appears with --use-opd
@@ -176,6 +178,8 @@ class ResumePlan:
             lines.append(f"  {self.memory_line}")
         if self.teacher_line:
             lines.append(f"  {self.teacher_line}")
+        if self.reward_line:
+            lines.append(f"  {self.reward_line}")
         if self.critic:
             lines.append(
                 "  critic: "

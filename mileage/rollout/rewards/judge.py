@@ -190,6 +190,15 @@ class JudgeReward(RemoteReward):
             raise UserError(f"the LLM judge {self.base} lists no model; name one: --judge-model")
         return ids[0]
 
+    @property
+    def plan_line(self) -> str:
+        """What the plan says of this reward before the run trains."""
+        return (
+            f"reward: the LLM judge {self.base} (model {self.model}, score / "
+            f"{self.max_score:g}, temperature {self.temperature:g}); its scores are journaled "
+            "with each rollout, so a rerun after a kill trains on the same ones"
+        )
+
     def body(self, prompt: str, response: str, label: str) -> dict:
         content = render(
             self.template, prompt=prompt, response=response, label=label,
