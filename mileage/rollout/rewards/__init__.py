@@ -194,13 +194,17 @@ def load_custom_reward(
     return UserReward(fn, group_rm, timeout)
 
 
-def remote_reward(cfg: RewardConfig, boxed: bool) -> RemoteReward:
+def _check_server_flags(cfg: RewardConfig, what: str) -> None:
     if not cfg.rm_url:
-        raise UserError(f"--rm-type {cfg.rm_type} needs --rm-url (the reward server)")
+        raise UserError(f"--rm-type {cfg.rm_type} needs --rm-url ({what})")
     if cfg.rm_timeout <= 0 or cfg.rm_retries < 0 or cfg.rm_max_concurrency <= 0:
         raise UserError(
             "--rm-timeout and --rm-max-concurrency must be positive and --rm-retries >= 0"
         )
+
+
+def remote_reward(cfg: RewardConfig, boxed: bool) -> RemoteReward:
+    _check_server_flags(cfg, "the reward server")
     transform = (lambda response: last_boxed(response) or "") if boxed else (lambda r: r)
     return RemoteReward(
         cfg.rm_url, cfg.rm_timeout, cfg.rm_retries, cfg.rm_max_concurrency, transform
@@ -208,12 +212,7 @@ def remote_reward(cfg: RewardConfig, boxed: bool) -> RemoteReward:
 
 
 def llm_judge(cfg: RewardConfig) -> JudgeReward:
-    if not cfg.rm_url:
-        raise UserError("--rm-type llm_judge needs --rm-url (the judge's OpenAI base URL)")
-    if cfg.rm_timeout <= 0 or cfg.rm_retries < 0 or cfg.rm_max_concurrency <= 0:
-        raise UserError(
-            "--rm-timeout and --rm-max-concurrency must be positive and --rm-retries >= 0"
-        )
+    _check_server_flags(cfg, "the judge's OpenAI base URL")
     if not (cfg.judge_max_score > 0 and cfg.judge_max_tokens > 0 and cfg.judge_temperature >= 0):
         raise UserError(
             "--judge-max-score and --judge-max-tokens must be positive, --judge-temperature >= 0"
