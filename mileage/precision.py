@@ -92,8 +92,8 @@ def resolve(requested: str, device: torch.device) -> tuple[str, str]:
 def set_precision(
     model: torch.nn.Module, precision: str, fp32_lm_head: bool = False
 ) -> torch.nn.Module:
-    """Mark `model` to run its forwards (and generation) in `precision`; in bf16 a transformers
-    model's SDPA attention becomes `mileage_sdpa` (fp32 attention on a CPU) and, with
+    """Mark `model` to run its forwards (and generation) in `precision`; a transformers model's
+    SDPA attention becomes `mileage_sdpa` (in bf16: fp32 attention on a CPU) and, in bf16 with
     `fp32_lm_head`, generation samples from fp32 logits (`mileage.models.lm_head`)."""
     if precision not in (FP32, BF16):
         raise ValueError(f"not a resolved precision: {precision!r}")
@@ -101,7 +101,9 @@ def set_precision(
     from mileage.models.lm_head import use_fp32_logits
 
     setattr(model, _ATTR, precision)
-    use_mileage_attention(model, precision == BF16)
+    # fp32 models too: their attention is stock SDPA but for packed forwards, which it runs
+    # one sample at a time (`mileage.models.attention`)
+    use_mileage_attention(model, True)
     use_fp32_logits(model, precision == BF16 and fp32_lm_head)
     return model
 

@@ -33,6 +33,7 @@ from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.models.hf import write_atomically
 from mileage.rollout.engine import Completion, SamplingParams
+from mileage.rollout.rewards.journaled import ScoreOnce, in_place
 
 T = TypeVar("T")
 
@@ -172,11 +173,11 @@ def where_driven(engine, job: Callable[[Any], T]) -> T:
     return job(engine)
 
 
-def once_for_all_ranks(engine) -> Callable[[Callable[[], T]], T]:
+def once_for_all_ranks(engine) -> ScoreOnce:
     """How a reward that may answer differently when asked again (a judge, a reward server) is
     scored: by rank 0 for every rank where every rank joins the engine's `generate` (and so
     holds the same gathered samples); in place where rank 0 alone drives a remote engine
     (`where_driven`) or in one process. Asked once, the journal has one writer."""
     if env.is_distributed() and not isinstance(engine, RemoteEngineOnRank0):
         return on_rank0
-    return lambda work: work()
+    return in_place

@@ -9,7 +9,12 @@ run in fp32 (the values upcast exactly), and the output is rounded to bf16 for t
 projection. That is also more exact than bf16 attention. The training forward, the engine's
 prefill and `FastDecoder`'s steps all compute it the same way.
 
-On a GPU, and for fp32 models, it is transformers' SDPA attention unchanged.
+On a GPU, and for fp32 models, it is transformers' SDPA attention unchanged, except in a packed
+forward (`mileage.training.packing`: one row of several samples, with transformers' varlen
+arguments `cu_seq_lens_q`/`cu_seq_lens_k`): there each sample's causal attention runs on its own,
+through flash-attention's varlen kernel on a GPU where the `flash_attn` package is installed,
+else one SDPA call per sample. transformers' own packed path would run one SDPA over the whole
+row under a block-diagonal mask: the same values, but scores for every pair of samples.
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ def output_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
+    bounds = kwargs.get("cu_seq_lens_q")
+    if bounds is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2]:
+        return _varlen(module, query, key, value, bounds, **kwargs)
+    return _one(module, query, key, value, attention_mask, **kwargs)
+
+
+def _one(module, query, key, value, attention_mask, **kwargs):
     if not upcast_on_cpu(query, key, value):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     dtype = output_dtype(query)
@@ -47,6 +59,32 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             module, query.float(), key.float(), value.float(), attention_mask, **kwargs
         )
     return out.to(dtype), weights
+
+
+def _varlen(module, query, key, value, bounds: torch.Tensor, **kwargs):
+    """Causal attention within each packed sequence [bounds[i], bounds[i+1]) of the row."""
+    if query.is_cuda and _flash_varlen_available():
+        from transformers.integrations.flash_attention import flash_attention_forward
+
+        return flash_attention_forward(module, query, key, value, None, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _VARLEN_KWARGS}
+    edges = bounds.tolist()
+    outs = [
+        _one(module, *(t[:, :, a:b] for t in (query, key, value)), None, is_causal=True, **kwargs)[0]
+        for a, b in zip(edges[:-1], edges[1:], strict=True)
+    ]
+    return torch.cat(outs, dim=1), None  # [1, tokens, heads, head_dim], as SDPA's output
+
+
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal")
+
+
+def _flash_varlen_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 AttentionInterface.register(NAME, _attention)

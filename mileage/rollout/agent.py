@@ -27,7 +27,7 @@ from mileage.rollout.journal import ToolJournal
 from mileage.rollout.multiturn import GenerateContext, MultiTurnConfig, tool_loop
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, score_samples
-from mileage.rollout.rewards.journaled import scored_once
+from mileage.rollout.rewards.journaled import ScoreOnce, in_place, scored_once
 from mileage.rollout.sample import TOOL_ERROR, TOOL_TIMEOUT, Sample
 from mileage.rollout.tool_parsers import ToolFormat, tool_format
 from mileage.rollout.toolpool import ToolPool
@@ -137,7 +137,7 @@ class Agent:
         # the agents' OpenAI-compatible endpoint, started by the first agent rollout
         self.endpoint = AgentEndpoint() if user.agent is not None else None
         # a journaled reward's scoring, once for all ranks (set by the run under torchrun)
-        self.score_once: Callable[[Callable[[], list[float]]], list[float]] = lambda work: work()
+        self.score_once: ScoreOnce = in_place
 
     @property
     def multi_turn(self) -> bool:

@@ -42,7 +42,7 @@ from mileage.rollout.engines.base import Completion, Engine, SamplingParams, Sam
 from mileage.rollout.journal import ToolJournal
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, score_all
-from mileage.rollout.rewards.journaled import scored_once
+from mileage.rollout.rewards.journaled import ScoreOnce, in_place, scored_once
 from mileage.rollout.rollout import PromptEncoder, Sample, inadmissible
 
 # advance(in-flight groups, new prompts, slot) -> the round's groups, in-flight ones first
@@ -76,7 +76,7 @@ class RoundGenerator:
     seed: int
     journal: ToolJournal | None = None  # where a journaled reward's scores go (rewards.journaled)
     # how a journaled reward is scored once for all ranks (`Agent.score_once`)
-    score_once: Callable[[Callable[[], list[float]]], list[float]] = lambda work: work()
+    score_once: ScoreOnce = in_place
 
     def __call__(
         self, carried: list[Group], prompts: list[Prompt], slot: int, rollout_id: int

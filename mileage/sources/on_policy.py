@@ -13,6 +13,7 @@ from mileage.distributed.remote import where_driven
 from mileage.faults import fault_point
 from mileage.rollout.dynamic import sample_dynamic
 from mileage.rollout.partial import RoundGenerator, offpolicy_tokens, sample_partial
+from mileage.rollout.rewards.journaled import in_place
 from mileage.rollout.rollout import generate_samples, load_samples, save_samples
 from mileage.sources import Drawn, sync_engine
 from mileage.training.batch import TrainBatch, mask_offpolicy
@@ -149,7 +150,7 @@ def partial_rollout(run: Run, rollout_id: int):
         run.reward_fn,
         run.cfg.loop.seed,
         run.agent.journal if run.agent is not None else None,
-        run.agent.score_once if run.agent is not None else (lambda work: work()),
+        run.agent.score_once if run.agent is not None else in_place,
     )
 
     def advance(carried, prompts, slot):

@@ -30,6 +30,7 @@ from mileage.training.finite import FiniteConfig, NonFiniteError, bad_stat, chec
 from mileage.training.logprobs import model_logprobs, token_logprobs
 from mileage.training.losses import LossReducer, kl_estimate, ppo_clip_loss
 from mileage.training.optimizer import LRSchedule
+from mileage.training.packing import Batching, packed_logprobs
 from mileage.training.shared_prompt import forward_parameters, shared_prompt_logprobs
 
 __all__ = ["Actor", "AlgoConfig", "sequence_logprobs"]
@@ -46,7 +47,10 @@ def sequence_logprobs(
     """Log-probs of `batch.targets` (and entropies), from target column `target_offset` on,
     computed in the model's precision (`mileage.precision`); the log-softmax is always fp32, and
     the LM head runs `chunk_tokens` positions at a time (`mileage.training.logprobs`). Rows
-    that share a prompt share its forward (`mileage.training.shared_prompt`)."""
+    that share a prompt share its forward (`mileage.training.shared_prompt`); a packed
+    micro-batch runs as one row (`mileage.training.packing`)."""
+    if batch.packed:
+        return packed_logprobs(model, batch, temperature, with_entropy, entropy_grad, chunk_tokens)
     shared = shared_prompt_logprobs(
         model, batch, temperature, with_entropy, entropy_grad, chunk_tokens
     )
@@ -156,31 +160,30 @@ class Actor:
         self._embedded = _count_embedded_tokens(model)
 
     @torch.no_grad()
-    def _frozen_logprobs(self, model, batch: TrainBatch, micro: int) -> torch.Tensor:
+    def _frozen_logprobs(self, model, batch: TrainBatch, batching: Batching) -> torch.Tensor:
         """Log-probs of `batch`'s tokens under a frozen model (the reference or the teacher),
         in target space; zero outside the response."""
         out = torch.zeros_like(batch.old_logprobs)
-        for start in range(0, len(batch), micro):
-            part = batch.slice(start, start + micro)
+        for start, part in batching.parts(batch):
             logp, _ = sequence_logprobs(
                 model, part, self.temperature, chunk_tokens=self.chunk_tokens
             )
             first = part.target_offset
-            out[start : start + micro, first : first + logp.shape[1]] = logp
+            out[start : start + len(part), first : first + logp.shape[1]] = logp
         return out
 
-    def prepare(self, batch: TrainBatch, micro: int) -> None:
+    def prepare(self, batch: TrainBatch, batching: Batching) -> None:
         """Attach reference log-probs (if any) and advantages, with the teacher's term under
         --use-opd."""
         algo = self.algo
         check_tensors("a reward", [("rewards", batch.rewards)])
         token_kl = None
         if self.reference is not None:
-            batch.ref_logprobs = self._frozen_logprobs(self.reference, batch, micro)
+            batch.ref_logprobs = self._frozen_logprobs(self.reference, batch, batching)
             if algo.kl_coef:
                 token_kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, algo.kl_loss_type)
         if self.critic is not None:
-            batch.values = self.critic.values(batch, micro)
+            batch.values = self.critic.values(batch, batching)
         if algo.loss_type == "sft_loss":  # an NLL: no advantage enters it (miles'
             # --disable-compute-advantages-and-returns), and one answer per record has no group
             batch.advantages = torch.zeros_like(batch.old_logprobs)
@@ -200,7 +203,7 @@ class Actor:
         )
         teacher = batch.teacher_logprobs  # a served teacher's, scored with the rollout
         if self.teacher is not None:
-            teacher = self._frozen_logprobs(self.teacher, batch, micro)
+            teacher = self._frozen_logprobs(self.teacher, batch, batching)
         if teacher is not None:
             batch.advantages, self.opd_reverse_kl = distill_advantages(
                 batch.advantages, batch.old_logprobs, teacher, batch.loss_mask, self.opd_kl_coef
@@ -218,13 +221,14 @@ class Actor:
 
     def train_rollout(self, batch: TrainBatch) -> dict[str, float]:
         """All optimizer steps for one rollout; returns statistics averaged over its steps."""
-        gbs, mbs = self.algo.batch_sizes(len(batch))
+        gbs, _ = self.algo.batch_sizes(len(batch))
+        batching = self.algo.batching(len(batch))
         self.largest_pass_tokens = self.largest_pass_logits = 0
-        self.prepare(batch, mbs)
+        self.prepare(batch, batching)
         critic_stats = {}
         if self.critic is not None:
             frozen = self.critic.actor_frozen
-            critic_stats = self.critic.train_rollout(batch, gbs, mbs)
+            critic_stats = self.critic.train_rollout(batch, gbs, batching)
             if frozen:
                 lr = self.schedule.lr_at(self.step)
                 return {**critic_stats, "lr": lr, "lrs": [], "global_step": self.step}
@@ -239,8 +243,7 @@ class Actor:
             self.optimizer.zero_grad(set_to_none=True)
             step_stats: dict[str, float] = {}
             with self._step_rng():
-                for m_start, m_end in ranks.micro_batches(g_start, gbs, mbs):  # this rank's share
-                    part = batch.slice(m_start, m_end)
+                for part in batching.rank_parts(batch, g_start, gbs):  # this rank's share
                     reduce = LossReducer(part.loss_mask, per_token, denominator)
                     stats = self._accumulate(part, reduce)
                     for key, value in stats.items():

@@ -10,6 +10,7 @@ from mileage.config import option
 from mileage.errors import UserError
 from mileage.rollout.userfn import Hook, load_function, loss_problem, named_in_thread
 from mileage.training.losses import KL_ESTIMATORS
+from mileage.training.packing import Batching
 
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
@@ -61,6 +62,17 @@ class AlgoConfig:
     )
     micro_batch_size: int | None = option(
         None, "samples per forward/backward; gradients accumulate (default: global batch)"
+    )
+    use_dynamic_batch_size: bool = option(
+        False,
+        "cut micro-batches by tokens instead of samples: runs of samples of at most "
+        "--max-tokens-per-gpu tokens, each packed into one row without padding "
+        "(replaces --micro-batch-size)",
+    )
+    max_tokens_per_gpu: int | None = option(
+        None,
+        "--use-dynamic-batch-size: the tokens (prompt + response) of one packed micro-batch on "
+        "one rank; a sample longer than that is refused before the run",
     )
     log_probs_chunk_size: int | None = option(
         None,
@@ -126,6 +138,37 @@ class AlgoConfig:
             raise UserError("--loss-type custom_loss and --custom-loss-function-path go together")
         if self.custom_loss_function_path:
             load_custom_loss(self.custom_loss_function_path)
+        self.validate_batching()
+
+    def validate_batching(self) -> None:
+        """--use-dynamic-batch-size and --max-tokens-per-gpu go together, without
+        --micro-batch-size (miles ignores it then; a flag mileage would ignore is refused)."""
+        budget = self.max_tokens_per_gpu
+        if not self.use_dynamic_batch_size:
+            if budget is not None:
+                raise UserError(
+                    f"--max-tokens-per-gpu {budget} applies only with --use-dynamic-batch-size "
+                    "(micro-batches by tokens); give both, or neither"
+                )
+            return
+        if budget is None:
+            raise UserError(
+                "--use-dynamic-batch-size needs --max-tokens-per-gpu: the tokens of one packed "
+                "micro-batch (`mileage plan` shows the memory each takes)"
+            )
+        if budget <= 0:
+            raise UserError(f"--max-tokens-per-gpu must be positive, got {budget}")
+        if self.micro_batch_size is not None:
+            raise UserError(
+                "--use-dynamic-batch-size cuts micro-batches by --max-tokens-per-gpu; "
+                f"--micro-batch-size {self.micro_batch_size} would be ignored: give one of them"
+            )
+
+    def batching(self, samples_per_rollout: int) -> Batching:
+        """How a rollout's rows become forwards: micro-batches of samples, or packed runs of at
+        most --max-tokens-per-gpu tokens (`mileage.training.packing`)."""
+        _, micro = self.batch_sizes(samples_per_rollout)
+        return Batching(micro, self.max_tokens_per_gpu if self.use_dynamic_batch_size else None)
 
     def chunk_tokens(self, vocab_size: int) -> int:
         """`--log-probs-chunk-size` for a model of `vocab_size` words (-1: unchunked)."""

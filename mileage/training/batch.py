@@ -37,6 +37,8 @@ class TrainBatch:
     # [N] prompt tokens per row: rows with the same prompt share its forward
     # (`mileage.training.shared_prompt`); None when unknown
     prompt_lens: torch.Tensor | None = None
+    # run as one packed row (`mileage.training.packing`, --use-dynamic-batch-size)
+    packed: bool = False
 
     @property
     def targets(self) -> torch.Tensor:

@@ -36,6 +36,7 @@ from mileage.precision import autocast, precision_of, set_precision
 from mileage.seeding import derive_seed
 from mileage.training.batch import TrainBatch
 from mileage.training.losses import LossReducer, value_loss
+from mileage.training.packing import Batching, packed_values
 from mileage.training.optimizer import LRSchedule, OptimConfig, build_optimizer, build_schedule
 
 
@@ -102,13 +103,20 @@ class ValueModel(torch.nn.Module):
         # drawn on the CPU (the same values on any device), then beside the body
         self.value_head.to(next(self.body.parameters()).device)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ) -> torch.Tensor:
+        # kwargs: a packed forward's positions and sequence bounds (`mileage.training.packing`)
+        hidden = self.body(
+            input_ids=input_ids, attention_mask=attention_mask, **kwargs
+        ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 
 def sequence_values(model: ValueModel, batch: TrainBatch) -> torch.Tensor:
     """Values at target columns from `target_offset` on, shaped like the batch's loss mask."""
+    if batch.packed:
+        return packed_values(model, batch)
     with autocast(model):
         values = model(batch.input_ids, batch.attention_mask)
     return values[:, batch.target_offset : batch.input_ids.shape[1] - 1]
@@ -144,18 +152,17 @@ class Critic:
         return self.rollouts < self.critic_only_rollouts
 
     @torch.no_grad()
-    def values(self, batch: TrainBatch, micro: int) -> torch.Tensor:
-        """The current critic's values for the whole (packed) batch."""
+    def values(self, batch: TrainBatch, batching: Batching) -> torch.Tensor:
+        """The current critic's values for the whole batch."""
         self.model.eval()
         out = torch.zeros_like(batch.old_logprobs)
-        for start in range(0, len(batch), micro):
-            part = batch.slice(start, start + micro)
+        for start, part in batching.parts(batch):
             first = part.target_offset
             values = sequence_values(self.model, part)
-            out[start : start + micro, first : first + values.shape[1]] = values
+            out[start : start + len(part), first : first + values.shape[1]] = values
         return out * batch.loss_mask
 
-    def train_rollout(self, batch: TrainBatch, gbs: int, mbs: int) -> dict[str, float]:
+    def train_rollout(self, batch: TrainBatch, gbs: int, batching: Batching) -> dict[str, float]:
         """Optimizer steps on the value loss against `batch.returns` (GAE targets)."""
         self.model.train()
         loss_total, clip_total, steps = 0.0, 0.0, 0
@@ -166,8 +173,7 @@ class Critic:
             # under torchrun each rank takes its share of the global batch, as the actor does:
             # the sharded critic's gradients are summed over ranks (never averaged), and every
             # rank divides by the whole batch's denominator, so the sum is one process's gradient
-            for m_start, m_end in ranks.micro_batches(g_start, gbs, mbs):
-                part = batch.slice(m_start, m_end)
+            for part in batching.rank_parts(batch, g_start, gbs):
                 reduce = LossReducer(part.loss_mask, self.per_token, denominator)
                 per_token, clipped = value_loss(
                     sequence_values(self.model, part), part.values, part.returns, self.value_clip

@@ -164,15 +164,13 @@ def trainer_logprobs(
     """The trainer's log-probs of the batch's tokens, in target space like `old_logprobs`;
     `model`: other weights of the same policy, computed the same way (`--keep-old-actor`)."""
     model = actor.model if model is None else model
-    _, micro = actor.algo.batch_sizes(len(batch))
     out = torch.zeros_like(batch.old_logprobs)
     was_training = model.training
     model.eval()
-    for start in range(0, len(batch), micro):
-        part = batch.slice(start, start + micro)
+    for start, part in actor.algo.batching(len(batch)).parts(batch):
         logp, _ = sequence_logprobs(model, part, actor.temperature, chunk_tokens=actor.chunk_tokens)
         first = part.target_offset
-        out[start : start + micro, first : first + logp.shape[1]] = logp
+        out[start : start + len(part), first : first + logp.shape[1]] = logp
     model.train(was_training)
     return out * batch.loss_mask
 

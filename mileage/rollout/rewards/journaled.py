@@ -25,6 +25,13 @@ from mileage.rollout.rewards import RewardFn, UserReward
 from mileage.rollout.rewards.remote import RemoteReward
 
 JOURNAL_NAME = "reward"
+# how a journaled reward's scoring runs: in place, or once for all ranks (rank 0, broadcast)
+ScoreOnce = Callable[[Callable[[], list[float]]], list[float]]
+
+
+def in_place(work: Callable[[], list[float]]) -> list[float]:
+    """Scoring where it is asked for: one process, or rank 0 alone driving the rollout."""
+    return work()
 
 
 def sample_digest(sample: Any) -> str:
@@ -84,7 +91,7 @@ def scored_once(
     journal: ToolJournal | None,
     slot: int | None,
     samples: Sequence[Any],
-    once: Callable[[Callable[[], list[float]]], list[float]] = lambda work: work(),
+    once: ScoreOnce = in_place,
 ) -> list[float]:
     """`compute()`, the rewards of `samples` by `fn`; journaled (`replay_or_score`, positions
     0..n-1 of round `slot`) and run by `once` (rank 0 for all ranks) when `fn` is `journaled`."""
