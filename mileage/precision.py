@@ -93,7 +93,8 @@ def set_precision(
     model: torch.nn.Module, precision: str, fp32_lm_head: bool = False
 ) -> torch.nn.Module:
     """Mark `model` to run its forwards (and generation) in `precision`; a transformers model's
-    SDPA attention becomes `mileage_sdpa` (in bf16: fp32 attention on a CPU) and, in bf16 with
+    SDPA attention becomes `mileage_sdpa` (bf16: fp32 attention on a CPU) or `mileage_varlen`
+    (fp32: stock SDPA), both running packed forwards one sample at a time, and, in bf16 with
     `fp32_lm_head`, generation samples from fp32 logits (`mileage.models.lm_head`)."""
     if precision not in (FP32, BF16):
         raise ValueError(f"not a resolved precision: {precision!r}")
@@ -101,9 +102,7 @@ def set_precision(
     from mileage.models.lm_head import use_fp32_logits
 
     setattr(model, _ATTR, precision)
-    # fp32 models too: their attention is stock SDPA but for packed forwards, which it runs
-    # one sample at a time (`mileage.models.attention`)
-    use_mileage_attention(model, True)
+    use_mileage_attention(model, precision == BF16)
     use_fp32_logits(model, precision == BF16 and fp32_lm_head)
     return model
 

@@ -148,8 +148,11 @@ def memory_plan(
         overlapped=asynchronous,
         cuda=env.device().type == "cuda",
         group=rc.n_samples_per_prompt,
-        shared_prompts=world == 1 and not cfg.parallel.gradient_checkpointing,
+        shared_prompts=world == 1
+        and not cfg.parallel.gradient_checkpointing
+        and not cfg.algo.use_dynamic_batch_size,
         activation_checkpointing=cfg.parallel.gradient_checkpointing,
+        max_tokens=cfg.algo.max_tokens_per_gpu if cfg.algo.use_dynamic_batch_size else None,
     )
     saved = None
     if plan.action == RESUME and plan.weights_format == "native":

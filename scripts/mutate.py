@@ -626,8 +626,9 @@ MUTANTS = [
         "under torchrun every rank trains the critic on the whole global batch (its summed "
         "gradient is N times one process's)",
         "mileage/training/critic.py",
-        "            for m_start, m_end in ranks.micro_batches(g_start, gbs, mbs):\n",
-        "            for m_start, m_end in [(m, m + mbs) for m in range(g_start, g_start + gbs, mbs)]:\n",
+        "            for part in batching.rank_parts(batch, g_start, gbs):\n",
+        "            for part in (batch.slice(m, m + batching.micro) "
+        "for m in range(g_start, g_start + gbs, batching.micro)):\n",
         (DIST_PPO_N1,),
     ),
     Mutant(
@@ -2264,8 +2265,8 @@ MUTANTS = [
         "opd-teacher-shifted-by-one",
         "the teacher's log-probs are paired with the next token's student log-probs",
         "mileage/training/actor.py",
-        "            teacher = self._frozen_logprobs(self.teacher, batch, micro)\n",
-        "            teacher = torch.roll(self._frozen_logprobs(self.teacher, batch, micro), 1, 1)\n",
+        "            teacher = self._frozen_logprobs(self.teacher, batch, batching)\n",
+        "            teacher = torch.roll(self._frozen_logprobs(self.teacher, batch, batching), 1, 1)\n",
         (f"{DISTILL}::test_the_teacher_term_is_the_sampled_reverse_kl_per_response_token",),
     ),
     Mutant(

@@ -16,6 +16,7 @@ from mileage.training.losses import (
     value_loss,
 )
 from mileage.training.optimizer import LRSchedule
+from mileage.training.packing import Batching
 
 
 def test_grpo_group_normalisation_by_hand():
@@ -282,7 +283,7 @@ def test_reference_logprobs_land_in_their_own_columns(tiny_hf):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     actor = Actor(model, opt, LRSchedule(0.0, 0, 0, "constant", 1), algo, 1.0, 2, 0, model)
     batch = _long_prompt_batch(model.config.vocab_size)
-    actor.prepare(batch, micro=2)
+    actor.prepare(batch, Batching(2))
     with torch.no_grad():
         full, _ = sequence_logprobs(model, batch, 1.0)
     mask = batch.loss_mask.bool()

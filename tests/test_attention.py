@@ -89,10 +89,14 @@ def test_set_precision_switches_attention_and_the_saved_config_does_not_carry_it
     model.save_pretrained(tmp_path)
     assert attention.NAME not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
     set_precision(model, FP32)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention.VARLEN
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=ids, attention_mask=mask)
-    assert len(seen) == model.config.num_hidden_layers  # fp32 runs transformers' own SDPA
+    # fp32 (mileage_varlen) hands transformers' SDPA its inputs as they are: no upcast
+    stock = (torch.float32, torch.float32, torch.bfloat16, True)
+    assert (
+        seen == [fp32] * model.config.num_hidden_layers + [stock] * model.config.num_hidden_layers
+    )
     eager = AutoModelForCausalLM.from_pretrained(tiny_hf, attn_implementation="eager")
     set_precision(eager, BF16)
     assert eager.config._attn_implementation == "eager"

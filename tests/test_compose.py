@@ -57,6 +57,7 @@ AGENTIC = [
     # chunk per forward), with the backward recomputing each chunk
     "--log-probs-chunk-size", "8",
     "--gradient-checkpointing",  # each layer recomputed in the backward, LoRA's layers too
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "40",  # packed micro-batches
 ]  # fmt: skip
 AGENTIC_CHAIN = [
     Kill.at("async_generating", 2),  # slot 1 generating while rollout 0 trains

@@ -24,6 +24,7 @@ from mileage.testing.crash import launch, outcome_table, run_uninterrupted, run_
 from mileage.testing.kills import Kill, crash_run_args
 from mileage.training.distill import distill_advantages
 from mileage.training.optimizer import LRSchedule
+from mileage.training.packing import Batching
 
 CHAIN = [
     Kill.at("optimizer_step"),
@@ -59,10 +60,10 @@ def test_the_teacher_term_is_the_sampled_reverse_kl_per_response_token(tiny_hf):
     batch = _long_prompt_batch(student.config.vocab_size)
     batch.old_logprobs = by_hand(student, batch, 0.8) * batch.loss_mask
     plain = Actor(student, opt, schedule, algo, 0.8, 2, 0)
-    plain.prepare(batch, micro=2)
+    plain.prepare(batch, Batching(2))
     base = batch.advantages.clone()
     actor = Actor(student, opt, schedule, algo, 0.8, 2, 0, teacher=teacher, opd_kl_coef=0.5)
-    actor.prepare(batch, micro=2)
+    actor.prepare(batch, Batching(2))
     mask = batch.loss_mask
     expected = base - 0.5 * (batch.old_logprobs - by_hand(teacher, batch, 0.8)) * mask
     assert torch.allclose(batch.advantages, expected, atol=1e-5)
@@ -70,7 +71,7 @@ def test_the_teacher_term_is_the_sampled_reverse_kl_per_response_token(tiny_hf):
     assert torch.equal(batch.advantages[mask == 0], base[mask == 0])  # prompt and padding: none
     # the student as its own teacher: nothing to learn from it
     self_taught = Actor(student, opt, schedule, algo, 0.8, 2, 0, teacher=student, opd_kl_coef=0.5)
-    self_taught.prepare(batch, micro=2)
+    self_taught.prepare(batch, Batching(2))
     assert torch.allclose(batch.advantages, base, atol=1e-5)
     assert abs(self_taught.opd_reverse_kl) < 1e-5
 

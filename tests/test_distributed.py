@@ -67,6 +67,9 @@ ARGS = [
     "--num-threads", "1",
     "--log-probs-chunk-size", "3",  # the LM head a few tokens at a time under FSDP2, remainder too
     "--gradient-checkpointing",  # FSDP2's layers recomputed in the backward
+    # packed micro-batches of about two samples: ranks whose shares pack into different counts
+    # split theirs until every rank runs as many backwards (FSDP2 pairs them up)
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24",
 ]  # fmt: skip
 ROLLOUTS = "rollouts/{rollout_id}.json"  # the reference's samples, under its parent directory
 

@@ -12,6 +12,7 @@ from mileage.training.actor import Actor, AlgoConfig, sequence_logprobs
 from mileage.training.advantages import compute_advantages
 from mileage.training.losses import kl_estimate
 from mileage.training.optimizer import LRSchedule
+from mileage.training.packing import Batching
 
 
 def _batch(n: int = 4):
@@ -102,7 +103,7 @@ def test_reward_kl_uses_the_kl_loss_type_estimator(tiny_hf):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     actor = Actor(model, opt, LRSchedule(0.0, 0, 0, "constant", 1), algo, 1.0, 2, 0, reference)
     batch = _batch()
-    actor.prepare(batch, micro=4)
+    actor.prepare(batch, Batching(4))
     k2 = kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k2")
     want, _ = compute_advantages(
         "reinforce_plus_plus_baseline", batch.rewards, batch.loss_mask, 2, k2, 0.3, normalize=True

@@ -8,6 +8,7 @@ import torch
 from mileage.errors import UserError
 from mileage.training.critic import Critic, CriticConfig, ValueModel, sequence_values
 from mileage.training.optimizer import LRSchedule
+from mileage.training.packing import Batching
 
 
 def _batch():
@@ -61,11 +62,11 @@ def test_critic_training_fits_the_returns(tiny_hf):
     batch.returns = batch.rewards[:, None] * batch.loss_mask  # value of every state = its reward
     losses = []
     for _ in range(30):
-        batch.values = critic.values(batch, micro=2)
-        losses.append(critic.train_rollout(batch, gbs=4, mbs=2)["value_loss"])
+        batch.values = critic.values(batch, Batching(2))
+        losses.append(critic.train_rollout(batch, 4, Batching(2))["value_loss"])
     assert losses[-1] < 0.1 * losses[0]
     assert critic.state_dict() == {"step": 30, "rollouts": 30}
-    fitted = critic.values(batch, micro=4)
+    fitted = critic.values(batch, Batching(4))
     mask = batch.loss_mask.bool()
     assert torch.allclose(fitted[mask], batch.returns[mask], atol=0.25)
 
@@ -96,7 +97,7 @@ def test_actor_with_critic_uses_gae_and_waits_for_the_critic_warmup(tiny_hf):
 
     before = weights(model)
     batch = _batch()
-    values = critic.values(batch, micro=4)
+    values = critic.values(batch, Batching(4))
     stats = actor.train_rollout(batch)
     want, returns = compute_advantages(
         "ppo", batch.rewards, batch.loss_mask, 2, gamma=0.9, lambd=0.7, values=values

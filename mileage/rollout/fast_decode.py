@@ -58,7 +58,7 @@ class FastDecoder:
         config = getattr(model, "config", None)
         if config is None or getattr(config, "model_type", None) not in FAST_DECODE_MODEL_TYPES:
             return False
-        if getattr(config, "_attn_implementation", None) not in ("sdpa", attention.NAME):
+        if getattr(config, "_attn_implementation", None) not in attention.OURS:
             return False  # eager/flash attention round differently; keep the model's own kernels
         if getattr(config, "hidden_act", None) != "silu":
             return False

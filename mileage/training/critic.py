@@ -36,8 +36,8 @@ from mileage.precision import autocast, precision_of, set_precision
 from mileage.seeding import derive_seed
 from mileage.training.batch import TrainBatch
 from mileage.training.losses import LossReducer, value_loss
-from mileage.training.packing import Batching, packed_values
 from mileage.training.optimizer import LRSchedule, OptimConfig, build_optimizer, build_schedule
+from mileage.training.packing import Batching, packed_values
 
 
 @dataclass

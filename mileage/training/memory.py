@@ -124,6 +124,7 @@ class Workload:
     group: int = 1  # samples per prompt: consecutive rows that share one
     shared_prompts: bool = True  # each distinct prompt's forward runs once (not under FSDP2)
     activation_checkpointing: bool = False  # --gradient-checkpointing
+    max_tokens: int | None = None  # --use-dynamic-batch-size: a packed micro-batch's tokens
 
     @property
     def tokens_per_sample(self) -> int:
@@ -132,7 +133,10 @@ class Workload:
     def pass_of(self, micro_batch: int) -> tuple[int, int]:
         """(tokens run, logit rows) of the largest training forward of `micro_batch` samples at
         their longest: the prompt once per distinct prompt when the forward shares them, and
-        logits for the response positions only (`logits_to_keep`)."""
+        logits for the response positions only (`logits_to_keep`). Packed micro-batches
+        (--max-tokens-per-gpu) run at most their budget, whatever `micro_batch`."""
+        if self.max_tokens is not None:
+            return self.max_tokens, self.max_tokens
         if self.shared_prompts and self.group > 1:
             prompts = -(-micro_batch // self.group) + (micro_batch % self.group != 0)
             tokens = prompts * self.prompt_tokens + micro_batch * (self.response_tokens + 1)
@@ -242,7 +246,9 @@ class MemoryPlan:
     size: ModelSize
     work: Workload
     micro_batch: int
-    how: str  # "given" (--micro-batch-size), "chosen" (fresh start) or "saved" (a resume)
+    # "given" (--micro-batch-size), "chosen" (fresh start), "saved" (a resume) or "tokens"
+    # (--max-tokens-per-gpu: micro-batches by tokens)
+    how: str
     available: int | None
     estimate: MemoryEstimate
 
@@ -255,6 +261,7 @@ class MemoryPlan:
             "given": "--micro-batch-size",
             "chosen": "chosen from the memory free; saved with the run",
             "saved": "as the run chose at its start (saved in its checkpoint)",
+            "tokens": "",
         }[self.how]
         chunk = self.work.chunk_tokens
         if chunk < 0:
@@ -263,9 +270,18 @@ class MemoryPlan:
             logits = f"the LM head in chunks of {chunk} tokens: one per forward"
         else:
             logits = f"the LM head and log-probs in chunks of {chunk} tokens"
+        if self.work.max_tokens is not None:
+            batches = (
+                f"micro-batches of up to {self.work.max_tokens} tokens, each packed into one row "
+                f"(--max-tokens-per-gpu; a sample up to {self.work.tokens_per_sample})"
+            )
+        else:
+            batches = (
+                f"micro-batch {self.micro_batch} samples ({how}) of up to "
+                f"{self.work.tokens_per_sample} tokens"
+            )
         return (
-            f"memory: peak ~{_gib(e.peak)}{free} per rank ({shown}); micro-batch "
-            f"{self.micro_batch} samples ({how}) of up to {self.work.tokens_per_sample} tokens; "
+            f"memory: peak ~{_gib(e.peak)}{free} per rank ({shown}); {batches}; "
             + logits
             + (
                 "; decoder layers recomputed in the backward"
@@ -281,6 +297,7 @@ class MemoryPlan:
             "available": self.available,
             "micro_batch": self.micro_batch,
             "micro_batch_from": self.how,
+            "max_tokens_per_gpu": self.work.max_tokens,
             "tokens_per_sample": self.work.tokens_per_sample,
             "activation_bytes_per_token": self.estimate.per_token,
             "log_probs_chunk_size": self.work.chunk_tokens,
@@ -305,6 +322,8 @@ def plan_memory(
     """The micro-batch: `given` (--micro-batch-size), else `saved` (what a resumed run chose at
     its start: the same micro-batches keep it bit-exact), else chosen from `available`. A
     micro-batch whose estimate exceeds `available` is refused here, before anything runs."""
+    if work.max_tokens is not None:
+        return _plan_tokens(size, work, available)
     if given is not None:
         micro, how = min(given, work.samples), "given"
     elif saved is not None:
@@ -331,6 +350,35 @@ def plan_memory(
             f"to change it ({lower}; the rollouts after the resume then differ)"
         )
     raise UserError(f"training {need}: {lower}")
+
+
+def _plan_tokens(size: ModelSize, work: Workload, available: int | None) -> MemoryPlan:
+    """The plan of packed micro-batches of at most `work.max_tokens` tokens: refused where one
+    sample cannot fit the budget, or the budget's pass cannot fit the memory free."""
+    budget, longest = work.max_tokens, work.tokens_per_sample
+    if budget < longest:
+        raise UserError(
+            f"--max-tokens-per-gpu {budget} is less than one sample: prompts of up to "
+            f"{work.prompt_tokens} tokens + --rollout-max-response-len {work.response_tokens} "
+            f"= {longest}; give at least {longest}"
+        )
+    plan = MemoryPlan(
+        size, work, work.samples, "tokens", available, estimate(size, work, budget, budget)
+    )
+    if available is None or plan.estimate.peak <= available:
+        return plan
+    fits = [t for t in range(longest, budget, max(1, (budget - longest) // 64))]
+    fits = [t for t in fits if estimate(size, work, t, t).peak <= available]
+    lower = (
+        f"--max-tokens-per-gpu {max(fits)} fits"
+        if fits
+        else "not even one sample fits: lower --rollout-max-response-len, train an adapter "
+        "(--lora-rank) or shard over more ranks (torchrun)"
+    )
+    raise UserError(
+        f"--max-tokens-per-gpu {budget} needs ~{_gib(plan.estimate.peak)} per rank, more than "
+        f"the {_gib(available)} free; {lower}"
+    )
 
 
 def _gib(count: int) -> str:

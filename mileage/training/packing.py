@@ -92,7 +92,9 @@ class Batching:
         """(first row, micro-batch) over the whole batch: the no-grad log-prob and value passes,
         which every rank runs on every row."""
         if not self.packed:
-            ranges = [(s, min(s + self.micro, len(batch))) for s in range(0, len(batch), self.micro)]
+            ranges = [
+                (s, min(s + self.micro, len(batch))) for s in range(0, len(batch), self.micro)
+            ]
         else:
             ranges = token_bins(_lengths(batch), self.max_tokens)
         for start, end in ranges:
