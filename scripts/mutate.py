@@ -154,6 +154,7 @@ class Mutant:
 
 COMPOSE = "tests/test_compose.py"
 DISTILL = "tests/test_distill.py"
+PACKING = "tests/test_packing.py"
 JUDGE = "tests/test_judge.py"
 JUDGE_CRASH = "tests/test_judge_crash.py"
 SERVED_TEACHER = "tests/test_distill_served.py"
@@ -2357,6 +2358,40 @@ MUTANTS = [
             f"{JUDGE}::test_an_unreadable_reply_is_a_named_failure_never_a_zero",
             f"{JUDGE_CRASH}::test_a_garbage_or_absent_judge_is_one_line_and_exit_2",
         ),
+    ),
+    Mutant(
+        "pack-positions-do-not-restart",
+        "a pack's position ids run on across its samples: attention leaks from one sample into "
+        "the next (and their rotary positions shift)",
+        "mileage/training/packing.py",
+        "    position_ids = (steps - offsets.repeat_interleave(lengths)).unsqueeze(0)\n",
+        "    position_ids = steps.unsqueeze(0)\n",
+        (f"{PACKING}::test_no_attention_crosses_samples_in_a_pack",),
+    ),
+    Mutant(
+        "varlen-attention-ignores-bounds",
+        "mileage_sdpa runs a packed row's attention as one causal sequence, across its samples",
+        "mileage/models/attention.py",
+        "    edges = bounds.tolist()\n",
+        "    edges = [0, query.shape[2]]\n",
+        (f"{PACKING}::test_packed_loss_and_gradients_equal_the_padded_ones",),
+    ),
+    Mutant(
+        "packed-micro-batch-count-not-agreed",
+        "under torchrun each rank runs as many packed micro-batches as its own share needs: "
+        "FSDP2's backwards no longer pair up",
+        "mileage/training/packing.py",
+        "            count = max(ranks.all_gather_object(len(ranges)))\n",
+        "            count = len(ranges)\n",
+        (f"{PACKING}::test_every_rank_runs_as_many_micro_batches",),
+    ),
+    Mutant(
+        "packed-logprobs-one-position-late",
+        "a packed micro-batch scores each target from the position after the one predicting it",
+        "mileage/training/packing.py",
+        "        positions=offsets[rows] + columns,\n",
+        "        positions=offsets[rows] + columns + 1,\n",
+        (f"{PACKING}::test_packed_loss_and_gradients_equal_the_padded_ones",),
     ),
 ]
 
