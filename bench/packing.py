@@ -6,6 +6,8 @@ the actor runs them (`Batching.rank_parts`, `sequence_logprobs`, a token-mean lo
 
     padded   micro-batches of `--micro-batch-size` samples, each right-padded to its longest
              (mileage's default path: each distinct prompt's forward shared within a micro-batch)
+    plain    the same micro-batches, every row whole (the padded forward without shared prompts,
+             as under FSDP2 or --gradient-checkpointing)
     packed   `--use-dynamic-batch-size --max-tokens-per-gpu BUDGET`: runs of samples of at most
              BUDGET tokens, each packed into one row (`mileage.training.packing`)
 
@@ -27,7 +29,7 @@ import time
 
 from _common import DEFAULT_THREADS, machine_info, median, output_path, write_results
 
-ARMS = ("padded", "packed")
+ARMS = ("padded", "plain", "packed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         for arm in ARMS
     }
-    ratio = summary["packed"]["pass_s"] / summary["padded"]["pass_s"]
     cpu = info["cpu"]
     print(
         f"{cpu['model']} ({', '.join(cpu['flags'])}), {args.threads} threads, {args.precision}; "
@@ -78,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         s = summary[arm]
         print(
             f"  {arm:7s} {s['pass_s']:7.2f} s per global batch, {s['forwards']} forwards of "
-            f"{s['tokens_run']} tokens in all, peak RSS {s['peak_rss_gib']:.2f} GiB"
+            f"{s['tokens_run']} token slots in all, peak RSS {s['peak_rss_gib']:.2f} GiB"
         )
-    print(f"  packed / padded time: {ratio:.2f}x")
+    for base in ("padded", "plain"):
+        ratio = summary["packed"]["pass_s"] / summary[base]["pass_s"]
+        print(f"  packed / {base} time: {ratio:.2f}x")
     write_results(path, {"machine": info, "args": vars(args), "summary": summary, "runs": rows})
     return 0
 
@@ -100,12 +103,14 @@ def run_arm(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     model = set_precision(load_causal_lm(args.model_dir), args.precision).train()
     batch, responses = long_tailed_batch(args, model.config.vocab_size)
+    if args.arm == "plain":
+        batch.prompt_lens = None  # the actor's plain forward: every row whole
     chunk = AlgoConfig().chunk_tokens(model.config.vocab_size)
     n = len(batch)
     packed = args.arm == "packed"
     batching = Batching(args.micro_batch_size, args.max_tokens_per_gpu if packed else None)
     parts = list(batching.rank_parts(batch, 0, n))
-    tokens = sum(p.input_ids.numel() if not packed else int(p.attention_mask.sum()) for p in parts)
+    tokens = sum(int(p.attention_mask.sum()) if packed else p.input_ids.numel() for p in parts)
 
     def one_pass() -> float:
         start = time.perf_counter()
