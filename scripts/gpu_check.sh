@@ -34,6 +34,13 @@ $PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone -m mileage t
 $PY -m mileage ckpt verify "$OUT/run"
 $PY -m mileage ckpt ls "$OUT/run"
 echo "proved: $NPROC rank(s) train, save and resume on the GPU"
+echo "== packing (--use-dynamic-batch-size): packed against padded, then a packed run resumed"
+$PY scripts/gpu_packing.py --device cuda --precision bf16
+PARGS=("${ARGS[@]/$OUT\/run/$OUT/packed}" --use-dynamic-batch-size --max-tokens-per-gpu 64)
+$PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone -m mileage train "${PARGS[@]}" --num-rollout 2
+$PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone -m mileage train "${PARGS[@]}" --num-rollout 3
+$PY -m mileage ckpt verify "$OUT/packed"
+echo "proved: packed micro-batches match padded ones on the GPU (the kernel named above) and resume"
 
 # Rollout servers on the GPU, when their packages are installed in this Python (SGLANG_PYTHON /
 # VLLM_PYTHON may name other environments). Written for a GPU machine; not run yet.

@@ -197,3 +197,54 @@ def test_every_rank_runs_as_many_micro_batches(monkeypatch):
     monkeypatch.setattr(ranks, "all_gather_object", lambda n: [n, n])
     monkeypatch.setattr(ranks, "rank", lambda: 1)
     assert [len(p) for p in Batching(micro=8, max_tokens=20).rank_parts(batch, 0, 8)] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu"),
+        (["--max-tokens-per-gpu", "64"], "applies only with --use-dynamic-batch-size"),
+        (
+            ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--micro-batch-size", "4"],
+            "--micro-batch-size 4 would be ignored",
+        ),
+        (
+            ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "8"],
+            "--max-tokens-per-gpu 8 is less than one sample: prompts of up to 7 tokens + "
+            "--rollout-max-response-len 4 = 11; give at least 11",
+        ),
+    ],
+    ids=["no-budget", "budget-alone", "with-micro-batch", "budget-below-a-sample"],
+)
+def test_flags_that_cannot_work_are_one_line_and_exit_2(
+    builtin_model, tmp_path, capsys, flags, says
+):
+    from mileage.cli.main import main
+
+    code = main(["plan", "--rollout-max-response-len", "4", "--save", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().splitlines() == [f"mileage: error: {err.strip().split('error: ', 1)[1]}"]
+    assert says in err
+
+
+def test_the_plan_states_the_token_budget(builtin_model, tmp_path, capsys):
+    from mileage.cli.main import main
+
+    flags = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"]
+    assert main(["plan", "--rollout-max-response-len", "4", "--save", str(tmp_path), *flags]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batches of up to 64 tokens, each packed into one row" in out
+
+
+def test_the_gpu_check_s_packing_step_passes_here_on_the_cpu(builtin_model, capsys):
+    """scripts/gpu_packing.py, which scripts/gpu_check.sh runs on a GPU, checked on the CPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_packing.py"
+    spec = importlib.util.spec_from_file_location("gpu_packing", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cpu", "--precision", "fp32"]) == 0
+    assert "one SDPA call per sample" in capsys.readouterr().out
