@@ -381,11 +381,6 @@ class RunConfig:
                 "in-process engine, or train synchronously under torchrun with "
                 "`torchrun ... -m mileage train ...`"
             )
-        if env.world_size() > 1 and self.asynchronous.keep_old_actor:
-            raise UserError(
-                "--keep-old-actor keeps whole weight copies and is not available under torchrun "
-                "yet; use the default decoupled correction there"
-            )
         if rc.load_debug_rollout_data:
             raise UserError(
                 "--load-debug-rollout-data replays saved rollouts and has no engine to generate "

@@ -2393,6 +2393,18 @@ MUTANTS = [
         "        positions=offsets[rows] + columns + 1,\n",
         (f"{PACKING}::test_packed_loss_and_gradients_equal_the_padded_ones",),
     ),
+    Mutant(
+        "old-actor-swap-not-undone",
+        "--keep-old-actor recomputes with a kept version swapped into the policy and leaves it "
+        "there: the policy trains on from old weights",
+        "mileage/distributed/parallelize.py",
+        "            _local(params[name]).copy_(value)\n",
+        "            pass\n",
+        (
+            "tests/test_async.py::"
+            "test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it",
+        ),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)

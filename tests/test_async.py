@@ -201,23 +201,13 @@ def test_train_async_under_torchrun_with_the_local_engine_is_refused_naming_what
     (line,) = done.stderr.strip().splitlines()
     assert "train-async under torchrun generates on remote engines only" in line
     assert "-m mileage train" in line
-    remote = [
-        "--rollout-engine",
-        "sglang",
-        "--rollout-url",
-        "http://127.0.0.1:9",
-        "--keep-old-actor",
-    ]
-    done = cli("train-async", "--num-rollout", "1", "--save", tmp_path / "s", *remote, env=env)
-    assert done.returncode == 2, done.stderr
-    (line,) = done.stderr.strip().splitlines()
-    assert "--keep-old-actor keeps whole weight copies and is not available under torchrun" in line
 
 
 def test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it(tiny_hf):
     import copy
     from types import SimpleNamespace
 
+    from mileage.distributed.parallelize import full_value, swapped_weights
     from mileage.models.hf import load_causal_lm
     from mileage.rollout.buffer import Group
     from mileage.sources.ahead import correct_off_policy
@@ -227,7 +217,7 @@ def test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it(t
     from mileage.training.old_actor import OldActor
 
     model = load_causal_lm(tiny_hf)
-    old_actor = OldActor()
+    old_actor = OldActor(full_value, swapped_weights)
     generators = []  # independent copies of each version, for the hand computation
     torch.manual_seed(0)
     for version in range(3):  # versions 0, 1: kept; 2: the trainer's weights now
@@ -252,13 +242,16 @@ def test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it(t
             logits = weights(input_ids=batch.input_ids[row : row + 1]).logits[:, :-1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, batch.targets[row : row + 1, :, None])
             expected[row] = logp[0, :, 0] * batch.loss_mask[row]
+    own = {name: p.detach().clone() for name, p in model.named_parameters()}
     got = old_actor.logprobs(actor, batch, [0, 1, 2], current=2)
     assert torch.allclose(got, expected, atol=1e-5)
+    # the policy computed them with the kept weights swapped in, and has its own back
+    assert all(torch.equal(p, own[name]) for name, p in model.named_parameters())
     # each row really needs its own version: under the trainer's weights rows 0, 1 differ
     now = old_actor.logprobs(actor, batch, [2, 2, 2], current=2)
     assert (now - expected).abs()[:2].max() > 1e-3
     # the checkpointed copy recomputes them bit for bit
-    restored = OldActor()
+    restored = OldActor(full_value, swapped_weights)
     restored.load_state_tensors({k: v.clone() for k, v in old_actor.state_tensors([0, 1]).items()})
     assert torch.equal(restored.logprobs(actor, batch, [0, 1, 2], current=2), got)
     old_actor.prune({1, 2})

@@ -165,8 +165,12 @@ def test_n2_train_async_equals_one_process_and_resumes_bit_for_bit(
     from mileage.checkpoint.layout import checkpoint_path
     from mileage.checkpoint.tensors import MODEL_DIR, load_tensors
 
-    # fp32 training: the comparison with one process is then to the summation order alone
-    async_args = [*args_for(servers, 3, tools=False), "--precision", "fp32"]
+    # fp32 training: the comparison with one process is then to the summation order alone.
+    # --keep-old-actor: rollout 1's samples come from the starting weights, whose kept copy
+    # (whole tensors, the same on both ranks) each rank swaps its shard of into the policy to
+    # recompute their old log-probs; checkpointed by rank 0, restored on both after a kill
+    keep = ["--keep-old-actor"]
+    async_args = [*args_for(servers, 3, tools=False), "--precision", "fp32", *keep]
     reference = tmp_path / "n2"
     run_uninterrupted(
         async_args,
@@ -181,7 +185,7 @@ def test_n2_train_async_equals_one_process_and_resumes_bit_for_bit(
     assert [r["staleness_max"] for r in records] == [0, 1, 1]
 
     single = tmp_path / "n1"
-    single_args = [*args_for(servers, 2, tools=False), "--precision", "fp32"]
+    single_args = [*args_for(servers, 2, tools=False), "--precision", "fp32", *keep]
     run_uninterrupted(single_args, single, timeout=600, subcommand="train-async")
     for ours, theirs in zip(read_metrics(reference)[:2], read_metrics(single), strict=True):
         for key in ("prompt_indices", "reward_mean", "accuracy", "response_len"):

@@ -156,6 +156,55 @@ def copy_full_weights(sharded: torch.nn.Module, plain: torch.nn.Module) -> None:
         targets[name].copy_(full_value(value.detach()))
 
 
+@contextmanager
+@torch.no_grad()
+def swapped_weights(
+    model: torch.nn.Module, values: dict[str, torch.Tensor]
+) -> Iterator[torch.nn.Module]:
+    """`model` computing with `values` (whole tensors, by parameter name) in place of those
+    parameters; its own values are put back bit for bit on exit. A sharded parameter takes this
+    rank's shard of its value (no collective: every rank holds the whole value). FSDP's gathered
+    copies are freed on entry and exit (the root keeps its own gathered after a forward), so a
+    forward inside all-gathers the swapped shards and one after it the model's own."""
+    params = dict(model.named_parameters())
+    missing = set(values) - set(params)
+    if missing:
+        raise RuntimeError(f"no parameter {sorted(missing)[0]} to swap weights into")
+    for module in fsdp_modules(model):
+        module.reshard()
+    own: dict[str, torch.Tensor] = {}
+    try:
+        for name, value in values.items():
+            local = _local(params[name])
+            own[name] = local.clone()
+            local.copy_(_shard_of(value, params[name]))
+        yield model
+    finally:
+        for module in fsdp_modules(model):
+            module.reshard()
+        for name, value in own.items():
+            _local(params[name]).copy_(value)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The storage this rank holds of `param` (its shard under FSDP2), to write in place."""
+    return param.to_local() if is_sharded(param) else param
+
+
+def _shard_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    local = _local(param)
+    value = value.to(device=local.device, dtype=local.dtype)
+    if is_sharded(param):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(
+            value, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+    if value.shape != local.shape:
+        raise RuntimeError(f"a value of shape {tuple(value.shape)} for {tuple(local.shape)}")
+    return value
+
+
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules `fully_shard` was applied to, root first (the same order on every rank)."""
     from torch.distributed.fsdp import FSDPModule

@@ -26,6 +26,7 @@ from mileage.checkpoint.store import CheckpointState
 from mileage.checkpoint.tensors import load_old_actor_tensors
 from mileage.components import Run
 from mileage.distributed.background import BackgroundGeneration
+from mileage.distributed.parallelize import full_value, swapped_weights
 from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.rollout.buffer import STATE_KEY, Group, RolloutBuffer
@@ -194,7 +195,7 @@ def restored_old_actor(run: Run, buffer: RolloutBuffer, engine_policy: int) -> O
     and the engine's current ones when they are the trainer's (just restored)."""
     if not run.cfg.asynchronous.keep_old_actor:
         return None
-    old_actor = OldActor()
+    old_actor = OldActor(full_value, swapped_weights)
     plan = run.plan
     if plan.action == RESUME and plan.load_data_state:
         old_actor.load_state_tensors(load_old_actor_tensors(plan.weights_from))

@@ -15,12 +15,18 @@ precision; `--use-tis` can correct that remainder as in synchronous training).
 Only parameters that train are copied (with LoRA: the adapter); frozen ones are the same in
 every version. The copies are state: a checkpoint holds those its rollout buffer needs, so a
 resumed run recomputes the same denominators bit for bit.
+
+A version is recomputed with the policy itself, its trained parameters swapped for the kept ones
+and put back after (no second model in memory). Under torchrun the kept copies are the whole
+tensors (gathered once per version, the same on every rank, so rank 0 checkpoints them as in one
+process), and each rank swaps in its shard of them: how to gather a parameter and how to swap
+are the distributed layer's (`gather`, `swap`: `mileage.distributed.parallelize`).
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -35,17 +41,25 @@ def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-class OldActor:
-    """Weight versions (keyed by trained rollouts) kept on the trainer, in CPU memory."""
+Swap = Callable[[torch.nn.Module, dict[str, torch.Tensor]], AbstractContextManager]
 
-    def __init__(self) -> None:
+
+class OldActor:
+    """Weight versions (keyed by trained rollouts) kept on the trainer, in CPU memory.
+
+    `gather(parameter)`: its whole value (a collective under torchrun); `swap(model, values)`:
+    a context in which `model` computes with `values` instead of its own parameters."""
+
+    def __init__(self, gather: Callable[[torch.Tensor], torch.Tensor], swap: Swap) -> None:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
-        self._scratch: torch.nn.Module | None = None  # a copy of the policy to load them into
+        self.gather, self.swap = gather, swap
 
     def keep(self, version: int, model: torch.nn.Module) -> None:
-        """Copy the model's trainable weights now as `version` (the engine just received them)."""
+        """Copy the model's trainable weights now as `version` (the engine just received them);
+        under torchrun every rank calls it at the same point."""
         self.versions[version] = {
-            name: p.detach().to("cpu", copy=True) for name, p in trainable_tensors(model).items()
+            name: self.gather(p.detach()).to("cpu", copy=True)
+            for name, p in trainable_tensors(model).items()
         }
 
     def prune(self, needed: Iterable[int]) -> None:
@@ -85,25 +99,19 @@ class OldActor:
             if version == current:
                 computed = trainer_logprobs(actor, batch)
             else:
-                computed = trainer_logprobs(actor, batch, model=self._load(actor.model, version))
+                with self.swap(actor.model, self._weights(actor.model, version)) as model:
+                    computed = trainer_logprobs(actor, batch, model=model)
             # the whole batch per version (usually one), so the micro-batches, and with them
             # the numerics, are the trainer's own; then the rows of that version are kept
             index = torch.tensor(rows, device=out.device)
             out[index] = computed[index]
         return out
 
-    def _load(self, model: torch.nn.Module, version: int) -> torch.nn.Module:
-        if self._scratch is None:
-            self._scratch = copy.deepcopy(model)
-            for param in self._scratch.parameters():
-                param.grad = None  # never trained: no gradient memory
-        params = trainable_tensors(self._scratch)
-        weights = self.versions[version]
+    def _weights(self, model: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
+        weights, params = self.versions[version], trainable_tensors(model)
         if set(weights) != set(params):
             raise RuntimeError(
                 f"old actor version {version} holds other parameters than the policy "
                 f"({sorted(set(weights) ^ set(params))[:3]}...)"
             )
-        for name, param in params.items():
-            param.copy_(weights[name])
-        return self._scratch
+        return weights
