@@ -28,6 +28,7 @@ import sys
 import time
 
 from _common import DEFAULT_THREADS, machine_info, median, output_path, write_results
+from train_pass import padded_batch
 
 ARMS = ("padded", "plain", "packed")
 
@@ -137,13 +138,10 @@ def run_arm(args: argparse.Namespace) -> dict:
 
 
 def long_tailed_batch(args: argparse.Namespace, vocab: int):
-    """Prompts of random tokens and responses of log-uniform lengths, right-padded as
-    `pack_samples` lays them out."""
+    """Prompts of random tokens and responses of log-uniform lengths, right-padded."""
     import math
 
     import torch
-
-    from mileage.training.batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     low, high = math.log(args.min_response), math.log(args.max_response)
@@ -155,20 +153,7 @@ def long_tailed_batch(args: argparse.Namespace, vocab: int):
             responses.append(length)
             response = torch.randint(100, vocab - 1, (length,), generator=g)
             rows.append(torch.cat([prompt, response]))
-    n, width = len(rows), max(len(r) for r in rows)
-    ids = torch.zeros((n, width), dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    loss_mask = torch.zeros((n, width - 1))
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = row
-        attention[i, : len(row)] = 1
-        loss_mask[i, args.prompt_len - 1 : len(row) - 1] = 1
-    prompt_lens = torch.full((n,), args.prompt_len)
-    batch = TrainBatch(
-        ids, attention, loss_mask, torch.zeros_like(loss_mask), torch.zeros(n),
-        prompt_lens=prompt_lens,
-    )  # fmt: skip
-    return batch, responses
+    return padded_batch(rows, args.prompt_len), responses
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ layer first (`layer.compile(dynamic=True)`, inductor) and reports how long that 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from _common import DEFAULT_THREADS, machine_info
@@ -111,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
 def random_batch(args: argparse.Namespace, vocab: int):
     import torch
 
-    from mileage.training.batch import TrainBatch
-
     g = torch.Generator().manual_seed(0)
     rows = []
     for _ in range(args.prompts):
@@ -120,6 +117,16 @@ def random_batch(args: argparse.Namespace, vocab: int):
         for s in range(args.samples):
             response = torch.randint(100, vocab - 1, (args.response_len - s % 3,), generator=g)
             rows.append(torch.cat([prompt, response]))
+    return padded_batch(rows, args.prompt_len)
+
+
+def padded_batch(rows: list, prompt_len: int):
+    """Token rows (each a `prompt_len`-token prompt and its response) right-padded into a
+    TrainBatch, as `pack_samples` lays samples out."""
+    import torch
+
+    from mileage.training.batch import TrainBatch
+
     n, width = len(rows), max(len(r) for r in rows)
     ids = torch.zeros((n, width), dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
@@ -127,8 +134,8 @@ def random_batch(args: argparse.Namespace, vocab: int):
     for i, row in enumerate(rows):
         ids[i, : len(row)] = row
         attention[i, : len(row)] = 1
-        loss_mask[i, args.prompt_len - 1 : len(row) - 1] = 1
-    prompt_lens = torch.full((n,), args.prompt_len)
+        loss_mask[i, prompt_len - 1 : len(row) - 1] = 1
+    prompt_lens = torch.full((n,), prompt_len)
     return TrainBatch(
         ids,
         attention,
@@ -137,7 +144,3 @@ def random_batch(args: argparse.Namespace, vocab: int):
         torch.zeros(n),
         prompt_lens=prompt_lens,
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

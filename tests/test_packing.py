@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_shared_prompt import A, B, C, Sample
 from transformers import AutoModelForCausalLM
 
 from mileage import ranks
@@ -20,7 +21,6 @@ from mileage.training.critic import ValueModel, sequence_values
 from mileage.training.losses import LossReducer
 from mileage.training.packing import Batching, pack, split_to, token_bins
 
-A, B, C = [1, 5, 6, 7], [1, 8, 9], [1, 10, 11, 12, 13, 14, 15]
 # long-tailed responses, repeated and distinct prompts, an empty response, a row whose
 # response is all tool tokens (loss mask 0)
 ROWS = [
@@ -33,21 +33,6 @@ ROWS = [
     (A, [37, 38, 39]),
     ([1, 40, 41], [42, 43]),
 ]
-
-
-@dataclasses.dataclass
-class Sample:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    trained: bool = True
-    reward: float = 1.0
-
-    @property
-    def logprobs(self) -> list[float]:
-        return [0.0] * len(self.response_ids)
-
-    def mask(self) -> list[float]:
-        return [float(self.trained)] * len(self.response_ids)
 
 
 def _batch():
