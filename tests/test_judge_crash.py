@@ -32,8 +32,14 @@ BASE = [
     "--rm-type", "llm_judge",
     "--rm-retries", "1",
 ]  # fmt: skip
-# dynamic sampling keeps groups whose judge scores differ: the judge decides what trains
-FILTERED = [*BASE, "--dynamic-sampling-filter-path", MILES_NONZERO_STD]
+# dynamic sampling keeps groups whose judge scores differ: the judge decides what trains; on a
+# LoRA adapter, with GSPO's sequence-level ratio
+FILTERED = [
+    *BASE,
+    "--dynamic-sampling-filter-path", MILES_NONZERO_STD,
+    "--lora-rank", "4", "--lora-alpha", "8", "--target-modules", "all-linear",
+    "--advantage-estimator", "gspo",
+]  # fmt: skip
 CHAIN = [
     Kill.at("after_sampling_round", 2),  # a round scored and journaled, the rollout not trained
     Kill.at("after_generate", 2),  # rollout 1 scored, not trained
