@@ -355,13 +355,23 @@ class RunConfig:
                 "does not take it"
             )
         self.dynamic.validate()
-        if self.dynamic.partial_rollout and (
-            self.multiturn.multi_turn or self.multiturn.rollout_function_path
-        ):
+        mt = self.multiturn
+        user_generation = [
+            flag
+            for flag, value in (
+                ("--custom-generate-function-path", mt.custom_generate_function_path),
+                ("--agent-function-path", mt.agent_function_path),
+                ("--rollout-function-path", mt.rollout_function_path),
+            )
+            if value
+        ]
+        if self.dynamic.partial_rollout and user_generation:
             raise UserError(
-                "--partial-rollout continues single answers across rounds; it does not continue "
-                "multi-turn trajectories (tools, --custom-generate-function-path, "
-                "--rollout-function-path) yet: turn one of them off"
+                f"--partial-rollout stops trajectories at a token budget and continues them "
+                f"after a checkpoint, perhaps in another process; with {user_generation[0]} a "
+                "trajectory's progress lives in your function's own frames, which no checkpoint "
+                "can hold (the built-in tool loop, --generate-execute-tool-function-path, is "
+                "continued across rounds)"
             )
         if self.dynamic.partial_rollout and r.load_debug_rollout_data:
             raise UserError(

@@ -100,7 +100,7 @@ def run_rollout(engine, buffer, source, rollout_id: int, keep=None):
         None,
         cfg,
         2,
-        MAX_LEN,
+        generator.group_done,
         rollout_id,
     )
 
@@ -168,7 +168,7 @@ def test_round_cap_counts_rounds_spent_continuing():
             None,
             cfg,
             2,
-            9,
+            generator.group_done,
             0,
         )
 
@@ -208,8 +208,12 @@ def test_offpolicy_mask_keeps_only_the_current_versions_tokens():
             "cannot replay --load-debug-rollout-data",
         ),
         (
-            ["--partial-rollout", "--generate-execute-tool-function-path", "tools.py:run"],
-            "does not continue multi-turn trajectories",
+            ["--partial-rollout", "--custom-generate-function-path", "gen.py:generate"],
+            "lives in your function's own frames, which no checkpoint can hold",
+        ),
+        (
+            ["--partial-rollout", "--rollout-function-path", "rollout.py:rollout"],
+            "with --rollout-function-path a trajectory's progress lives in your function's",
         ),
     ],
 )

@@ -228,26 +228,11 @@ class Agent:
         coroutines, inputs = [], []
         for position, prompt in enumerate(prompts):
             ids = self.prompt_ids(prompt)
-            tools = prompt.tools if prompt.tools is not None else self.user.tool_specs
             for index in range(n_samples):
                 row = position * n_samples + index
-                purpose = f"rollout/{rollout_id}/{position}/{index}"
                 clock = calls.clocks[row] if user_code else None
-                client = _TimedClient(batcher, params, (seed, purpose), row, clock)
-                ctx = GenerateContext(
-                    client=client,
-                    tokenizer=self.tokenizer,
-                    config=self.config,
-                    rollout_id=rollout_id,
-                    prompt_position=position,
-                    sample_index=index,
-                    tools=tools,
-                    max_context_len=self.context_len,
-                    tool_format=self.user.tool_format,
-                    chat_template=self.encode.uses_template(prompt),
-                    _pool=self.pool,
-                    _journal=self.journal,
-                    _clock=clock,
+                ctx = self._context(
+                    batcher, params, seed, rollout_id, position, index, row, prompt, clock
                 )
                 sample = Sample(
                     prompt, list(ids), [], [], "", 0.0, False, engine.weight_version, [], []
@@ -263,6 +248,44 @@ class Agent:
         return [
             self._checked(r, s, label) for r, s, label in zip(results, inputs, labels, strict=True)
         ]
+
+    def _context(self, batcher, params, seed, slot, position, index, row, prompt, clock):
+        """The generate context of sample `index` of the prompt at `position` in slot `slot`
+        (its client seeds each call by these and the call's number; `row` orders its requests
+        in the batcher's engine calls)."""
+        purpose = f"rollout/{slot}/{position}/{index}"
+        client = _TimedClient(batcher, params, (seed, purpose), row, clock)
+        tools = prompt.tools if prompt.tools is not None else self.user.tool_specs
+        return GenerateContext(
+            client, self.tokenizer, self.config, slot, position, index, tools, self.context_len,
+            self.user.tool_format, self.encode.uses_template(prompt), _pool=self.pool,
+            _journal=self.journal, _clock=clock,
+        )  # fmt: skip
+
+    def continue_tool_loop(
+        self, engine: Engine, samples: list[Sample], params: SamplingParams, budget: int,
+        seed: int, slot: int,
+    ) -> list[Sample]:  # fmt: skip
+        """--partial-rollout: each unfinished trajectory (sample i of the round's group i // n)
+        advanced by the built-in tool loop by at most `budget` model tokens, seeded by `slot`;
+        a sample with a stop reason comes back as it was. New samples, not yet scored."""
+        n, batcher = self.config.rollout.n_samples_per_prompt, TurnBatcher(engine)
+        rows = [i for i, s in enumerate(samples) if s.stop_reason is None]
+        coroutines = [
+            tool_loop(
+                self._context(
+                    batcher, params, seed, slot, i // n, i % n, i, samples[i].prompt, None
+                ),
+                copy.deepcopy(samples[i]),
+                params,
+                budget,
+            )  # fmt: skip
+            for i in rows
+        ]
+        out = list(samples)
+        for i, sample in zip(rows, batcher.run(coroutines), strict=True):
+            out[i] = sample
+        return out
 
     def _checked(self, result: Any, given: Sample, label: str) -> Sample:
         """The generate function's return checked against its contract (mileage.rollout.userfn);

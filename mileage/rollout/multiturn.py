@@ -265,35 +265,54 @@ def appended_ids(
     return tail + with_new[len(without) :]
 
 
-async def tool_loop(ctx: GenerateContext, sample: Sample, params: SamplingParams) -> Sample:
-    """The built-in multi-turn tool loop (module docstring)."""
+async def tool_loop(
+    ctx: GenerateContext, sample: Sample, params: SamplingParams, budget: int | None = None
+) -> Sample:
+    """The built-in multi-turn tool loop (module docstring).
+
+    With a `budget` (--partial-rollout) the loop samples at most that many model tokens in this
+    call and may start from a trajectory an earlier call left unfinished: a turn the budget
+    cuts stays open (`Sample.open_turn`) and is continued, then parsed whole, by the next call;
+    a trajectory still going when the budget is spent has no `stop_reason` yet. Without one it
+    runs the whole trajectory from the prompt."""
     max_turns = ctx.config.multiturn.generate_max_turns
     decode = ctx.tokenizer.decode
-    context = list(sample.prompt_ids)
-    response: list[int] = []
-    mask: list[int] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
-    calls_made: list[ToolCall] = []
-    stop = STOP
-    turns = 0
-    for turn in range(max_turns):
-        budget = ctx.max_context_len - len(context)
-        if budget <= 0:
+    response = list(sample.response_ids)
+    context = list(sample.prompt_ids) + response
+    mask = list(sample.mask())
+    logprobs = list(sample.logprobs)
+    versions = list(sample.weight_versions or [])
+    calls_made = list(sample.tool_calls)
+    open_ids = response[len(response) - sample.open_turn :] if sample.open_turn else []
+    # the turn to sample next: the open one, else the one after the turns taken
+    turns = sample.turns if response else 0
+    turn = turns - 1 if open_ids else turns
+    stop: str | None = None
+    while budget is None or budget > 0:
+        room = ctx.max_context_len - len(context)
+        if room <= 0:
             stop = LENGTH
             break
-        out = await ctx.client.generate(context, min(params.max_new_tokens, budget))
+        cap = min(params.max_new_tokens - len(open_ids), room)
+        cut = budget is not None and budget < cap  # the round's budget binds, not the turn's
+        out = await ctx.client.generate(context, min(cap, budget) if cut else cap)
         turns = turn + 1
+        if budget is not None:
+            budget -= len(out.ids)
         context += out.ids
         response += out.ids
         mask += [1] * len(out.ids)
         logprobs += out.logprobs
         versions += [out.weight_version] * len(out.ids)
+        turn_ids, open_ids = open_ids + out.ids, []
         if out.finish_reason == "length":
+            if cut:  # continued by the next round: the turn is not over
+                open_ids = turn_ids
+                break
             stop = LENGTH
             break
         try:
-            calls = ctx.tool_format.parse(decode(out.ids, skip_special_tokens=True))
+            calls = ctx.tool_format.parse(decode(turn_ids, skip_special_tokens=True))
         except ToolCallError as exc:
             calls_made.append(ToolCall(turn, "", {}, TOOL_ERROR, str(exc)))
             stop = TOOL_ERROR
@@ -314,9 +333,9 @@ async def tool_loop(ctx: GenerateContext, sample: Sample, params: SamplingParams
                 stop = result.status
                 break
             outputs.append(result.output)
-        if stop != STOP:
+        if stop is not None:
             break
-        tool_ids = ctx.tool_output_ids(outputs, calls, out.ids)
+        tool_ids = ctx.tool_output_ids(outputs, calls, turn_ids)
         if len(context) + len(tool_ids) >= ctx.max_context_len:
             stop = LENGTH  # no room for the tool's answer and another turn
             break
@@ -326,6 +345,7 @@ async def tool_loop(ctx: GenerateContext, sample: Sample, params: SamplingParams
         mask += [0] * len(tool_ids)
         logprobs += [0.0] * len(tool_ids)
         versions += [out.weight_version] * len(tool_ids)
+        turn += 1
     sample.response_ids = response
     sample.logprobs = logprobs
     sample.loss_mask = mask
@@ -335,5 +355,6 @@ async def tool_loop(ctx: GenerateContext, sample: Sample, params: SamplingParams
     sample.tool_calls = calls_made
     sample.turns = turns
     sample.stop_reason = stop
-    sample.finished = stop != LENGTH
+    sample.open_turn = len(open_ids)
+    sample.finished = stop is not None and stop != LENGTH
     return sample

@@ -68,6 +68,10 @@ class Sample:
     # an agent's sample: its requests, segments, splits, ... (mileage.rollout.agents)
     agent_stats: dict[str, float] | None = None
     agent_failure: str | None = None  # the line naming why its agent failed
+    # --partial-rollout with the built-in tool loop: how many ids at the end of `response_ids`
+    # belong to a model turn that a sampling round's token budget cut (0: no turn is open);
+    # the next round continues that turn before it reads the turn's tool calls
+    open_turn: int = 0
 
     def mask(self) -> list[int]:
         """The loss mask per response token (all ones when none was recorded)."""

@@ -151,6 +151,9 @@ def partial_rollout(run: Run, rollout_id: int):
         run.cfg.loop.seed,
         run.agent.journal if run.agent is not None else None,
         run.agent.score_once if run.agent is not None else in_place,
+        # trajectories of the built-in tool loop (the only multi-turn kind a round continues)
+        run.agent if run.agent is not None and run.agent.multi_turn else None,
+        lambda job: where_driven(run.engine, job),
     )
 
     def advance(carried, prompts, slot):
@@ -168,6 +171,6 @@ def partial_rollout(run: Run, rollout_id: int):
         run.buffer_filter,
         dynamic,
         rc.rollout_batch_size,
-        rc.rollout_max_response_len,
+        generator.group_done,
         rollout_id,
     )

@@ -134,8 +134,8 @@ def mask_offpolicy(batch: TrainBatch, samples, version: int) -> int:
     masked = 0
     for row, s in enumerate(samples):
         first = len(s.prompt_ids) - 1  # target column of the first response token
-        for i, v in enumerate(s.weight_versions or []):
-            if v != version:
+        for i, (v, trained) in enumerate(zip(s.weight_versions or [], s.mask(), strict=False)):
+            if v != version and trained:  # a tool's tokens are out of the loss already
                 batch.loss_mask[row, first + i] = 0.0
                 masked += 1
     return masked
