@@ -159,6 +159,12 @@ JUDGE = "tests/test_judge.py"
 JUDGE_CRASH = "tests/test_judge_crash.py"
 SERVED_TEACHER = "tests/test_distill_served.py"
 SFT = "tests/test_sft.py"
+PARTIAL_TOOLS = "tests/test_partial_tools.py"
+PARTIAL_TOOLS_ROUNDS = f"{PARTIAL_TOOLS}::test_rounds_judge_a_group_when_its_last_trajectory_ends"
+PARTIAL_TOOLS_SERVE = (
+    "tests/test_multiturn_crash.py::"
+    "test_partial_rollout_through_mileage_serve_kills_while_tools_run_resume_exactly"
+)
 
 MUTANTS = [
     Mutant(
@@ -2404,6 +2410,32 @@ MUTANTS = [
             "tests/test_async.py::"
             "test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it",
         ),
+    ),
+    Mutant(
+        "open-turn-forgotten",
+        "--partial-rollout with tools: a turn a round's budget cut is continued as if it were a "
+        "new turn, so its tool call is read from its last piece only",
+        "mileage/rollout/multiturn.py",
+        "    open_ids = response[len(response) - sample.open_turn :] if sample.open_turn else []\n",
+        "    open_ids = []\n",
+        (PARTIAL_TOOLS, PARTIAL_TOOLS_ROUNDS),
+    ),
+    Mutant(
+        "round-budget-ignored-by-tool-loop",
+        "--partial-rollout with tools: a trajectory samples whole turns whatever the round's "
+        "token budget, so nothing is ever aborted at the batch",
+        "mileage/rollout/multiturn.py",
+        "        cut = budget is not None and budget < cap  #",
+        "        cut = False  #",
+        (PARTIAL_TOOLS, PARTIAL_TOOLS_ROUNDS, PARTIAL_TOOLS_SERVE),
+    ),
+    Mutant(
+        "open-turn-not-checkpointed",
+        "an in-flight trajectory's open turn is lost when the buffer is saved and restored",
+        "mileage/rollout/sample.py",
+        '"tool_calls": calls})',
+        '"tool_calls": calls, "open_turn": 0})',
+        (PARTIAL_TOOLS_ROUNDS, PARTIAL_TOOLS_SERVE),
     ),
 ]
 

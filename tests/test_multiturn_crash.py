@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import assert_learned
 
+from mileage.checkpoint.layout import checkpoint_path
+from mileage.checkpoint.store import TRAINER_STATE
+from mileage.rollout.buffer import STATE_KEY
 from mileage.testing.compare import LEFTOVER_DIFF, TENSOR_DIFF, compare_runs
 from mileage.testing.crash import launch, outcome_table, run_uninterrupted, run_with_kills
 from mileage.testing.kills import Kill
@@ -102,21 +105,33 @@ def test_train_async_at_staleness_0_runs_the_same_trajectories(reference, tmp_pa
     assert [d for d in compare_runs(reference, save) if d.startswith(TENSOR_DIFF)] == []
 
 
-def test_through_mileage_serve_kills_while_tools_run_resume_exactly(builtin_model, tmp_path):
-    """The same tool loop with the engine behind HTTP (`mileage serve`, SGLang's API): token ids
-    in and out, a seed per call, so a rollout killed while its tools run is generated again
-    with the same tokens, and the run ends on the uninterrupted one's tensors."""
+def test_partial_rollout_through_mileage_serve_kills_while_tools_run_resume_exactly(
+    builtin_model, tmp_path
+):
+    """The tool loop with the engine behind HTTP (`mileage serve`, SGLang's API: token ids in
+    and out, a seed per call) and --partial-rollout: each sampling round gives a trajectory 2
+    model tokens, so turns are cut open and continued in later rounds and rollouts with newer
+    weights. Killed while a tool runs, the rerun ends on the uninterrupted run's tensors. Then
+    with a tool that answers a random letter on every call: killed after rollout 1 generated
+    (its rounds continued rollout 0's trajectories), the rerun generates every round of
+    rollout 1 again with the journal's answers, to the same samples the killed process had."""
     from mileage.testing.servers import start_servers
 
     # fp32 on both sides: the log-prob check below is then to the summation order alone
     (server,) = start_servers(builtin_model, 1, args=("--dtype", "float32"))
     try:
         args = [*ARGS, "--rollout-engine", "sglang", "--rollout-url", server.url,
-                "--rollout-timeout", "30", "--precision", "fp32"]  # fmt: skip
+                "--rollout-timeout", "30", "--precision", "fp32",
+                "--partial-rollout", "--partial-rollout-round-tokens", "2",
+                "--mask-offpolicy-in-partial-rollout"]  # fmt: skip
         reference = tmp_path / "reference"
         run_uninterrupted(args, reference)
         records = read_records(reference)
         assert sum(r["rollout/tool_calls"] for r in records) > 0
+        # partial rollout did bind: trajectories were aborted at rollout 0's batch and continued
+        assert records[0]["partial_rollout/groups_aborted"] > 0
+        assert records[1]["partial_rollout/groups_resumed"] > 0
+        assert records[1]["partial_rollout/offpolicy_tokens"] > 0
         # the server's log-probs are the trainer's: the tool tokens between turns did not shift
         # what the engine saw from what the trainer scores
         assert all(r["logprob_abs_diff"] < 1e-4 for r in records), [
@@ -129,6 +144,25 @@ def test_through_mileage_serve_kills_while_tools_run_resume_exactly(builtin_mode
         assert not outcomes[0].problems, table
         diffs = compare_runs(reference, save)
         assert [d for d in diffs if not d.startswith(LEFTOVER_DIFF)] == [], table
+
+        rounds = tmp_path / "rounds"
+        tool = args.index(f"{TOOLS}:tool")
+        random = [*args[:tool], f"{TOOLS}:tool_nondet", *args[tool + 1 :],
+                  "--save-debug-rollout-data", str(rounds / "{slot}.json")]  # fmt: skip
+        save = tmp_path / "random"
+        killed = launch(random, save, Kill.at("after_generate", 2))
+        assert killed.died_by_kill, killed.tail()
+        state = json.loads((checkpoint_path(save, 0) / TRAINER_STATE).read_text())
+        first_slot = state[STATE_KEY]["next_slot"]  # rollout 1's first round
+        written = {p.name: p.read_text() for p in rounds.iterdir()}
+        rerun = launch(random, save)
+        assert rerun.returncode == 0, rerun.tail()
+        again = {p.name: p.read_text() for p in rounds.iterdir()}
+        ours = sorted(n for n in written if int(n.split(".")[0]) >= first_slot)
+        assert ours and all(again[n] == written[n] for n in ours)
+        letters = [c["output"] for n in ours for s in json.loads(written[n])["samples"]
+                   for c in s["tool_calls"] if c["status"] == "ok"]  # fmt: skip
+        assert letters and all(out[-1].isalpha() for out in letters)
     finally:
         server.stop()
 
