@@ -25,8 +25,8 @@ from mileage.errors import UserError
 from mileage.faults import fault_point, poison_point
 from mileage.metrics import EVAL_BEFORE_TRAINING
 from mileage.progress import RunProgress
-from mileage.rollout.agent import tool_metrics
 from mileage.rollout.evaluation import evaluate, rollout_passrate, summary
+from mileage.rollout.sample import tool_metrics
 from mileage.rollout.shaping import shape_rewards
 from mileage.sources import Drawn, RolloutSource, sync_engine
 from mileage.training.batch import TrainBatch, mask_truncated, pack_samples, response_values

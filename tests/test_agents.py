@@ -15,7 +15,7 @@ import pytest
 from mileage.errors import UserError
 from mileage.models.tiny import build_char_tokenizer
 from mileage.rollout import tool_task
-from mileage.rollout.agent import Agent, load_user_functions, tool_metrics
+from mileage.rollout.agent import Agent, load_user_functions
 from mileage.rollout.agents import session
 from mileage.rollout.data import Prompt
 from mileage.rollout.engines.base import Completion, SamplingParams
@@ -27,6 +27,7 @@ from mileage.rollout.sample import (
     AGENT_NO_CALLS,
     AGENT_TIMEOUT,
     STOP,
+    tool_metrics,
 )
 from mileage.rollout.tasks import builtin_alphabet
 

@@ -14,12 +14,20 @@ import torch
 
 from mileage.errors import UserError
 from mileage.models.tiny import build_char_tokenizer
-from mileage.rollout.agent import Agent, load_user_functions, tool_metrics
+from mileage.rollout.agent import Agent, load_user_functions
 from mileage.rollout.data import Prompt
 from mileage.rollout.engines.base import Completion, SamplingParams
 from mileage.rollout.multiturn import MultiTurnConfig
 from mileage.rollout.rollout import PromptEncoder, generate_samples
-from mileage.rollout.sample import LENGTH, MAX_TURNS, STOP, TOOL_ERROR, TOOL_TIMEOUT, Sample
+from mileage.rollout.sample import (
+    LENGTH,
+    MAX_TURNS,
+    STOP,
+    TOOL_ERROR,
+    TOOL_TIMEOUT,
+    Sample,
+    tool_metrics,
+)
 from mileage.rollout.tasks import builtin_alphabet
 from mileage.seeding import derive_seed
 

@@ -28,7 +28,7 @@ from mileage.rollout.multiturn import GenerateContext, MultiTurnConfig, tool_loo
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, score_samples
 from mileage.rollout.rewards.journaled import ScoreOnce, in_place, scored_once
-from mileage.rollout.sample import TOOL_ERROR, TOOL_TIMEOUT, Sample
+from mileage.rollout.sample import Sample
 from mileage.rollout.tool_parsers import ToolFormat, tool_format
 from mileage.rollout.toolpool import ToolPool
 from mileage.rollout.userfn import (
@@ -401,30 +401,3 @@ class RolloutContext:
         """Set each sample's reward with the run's reward (groups of --n-samples-per-prompt)."""
         with self._clock.waiting_on_the_run():
             self.agent.score(samples, self.config.rollout.n_samples_per_prompt)
-
-
-def tool_metrics(samples: list[Sample]) -> dict[str, float]:
-    """rollout/tool_calls, rollout/tool_errors, rollout/tool_timeouts, rollout/mean_turns and the
-    share of each stop reason (only for multi-turn samples: single-turn ones record none)."""
-    if not samples or all(s.stop_reason is None for s in samples):
-        return {}
-    calls = [c for s in samples for c in s.tool_calls]
-    # an agent runs its tools itself: the endpoint counts the calls it handed out
-    agent_calls = [s.agent_stats["tool_calls"] if s.agent_stats else 0.0 for s in samples]
-    metrics = {
-        "rollout/tool_calls": float(len(calls)) + sum(agent_calls),
-        "rollout/tool_errors": float(sum(c.status == TOOL_ERROR for c in calls)),
-        "rollout/tool_timeouts": float(sum(c.status == TOOL_TIMEOUT for c in calls)),
-        "rollout/mean_turns": sum(s.turns for s in samples) / len(samples),
-        "rollout/tool_use_rate": sum(s.used_tools() for s in samples) / len(samples),
-    }
-    stats = [s.agent_stats for s in samples if s.agent_stats]
-    if stats:
-        for name in ("splits", "untrained_tokens", "diverged"):
-            metrics[f"rollout/agent_{name}"] = sum(st[name] for st in stats)
-        metrics["rollout/agent_segments"] = sum(st["segments"] for st in stats) / len(stats)
-        metrics["rollout/agent_failures"] = float(sum(bool(s.agent_failure) for s in samples))
-    for reason in sorted({s.stop_reason for s in samples if s.stop_reason}):
-        share = sum(s.stop_reason == reason for s in samples) / len(samples)
-        metrics[f"rollout/stop_{reason}"] = share
-    return metrics

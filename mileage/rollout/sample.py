@@ -116,3 +116,30 @@ class Sample:
         fields existed (they take their defaults: mask all ones, one turn, no tool calls)."""
         calls = [ToolCall(**c) for c in record.get("tool_calls", [])]
         return Sample(**{**record, "prompt": Prompt(**record["prompt"]), "tool_calls": calls})
+
+
+def tool_metrics(samples: list[Sample]) -> dict[str, float]:
+    """rollout/tool_calls, rollout/tool_errors, rollout/tool_timeouts, rollout/mean_turns and the
+    share of each stop reason (only for multi-turn samples: single-turn ones record none)."""
+    if not samples or all(s.stop_reason is None for s in samples):
+        return {}
+    calls = [c for s in samples for c in s.tool_calls]
+    # an agent runs its tools itself: the endpoint counts the calls it handed out
+    agent_calls = [s.agent_stats["tool_calls"] if s.agent_stats else 0.0 for s in samples]
+    metrics = {
+        "rollout/tool_calls": float(len(calls)) + sum(agent_calls),
+        "rollout/tool_errors": float(sum(c.status == TOOL_ERROR for c in calls)),
+        "rollout/tool_timeouts": float(sum(c.status == TOOL_TIMEOUT for c in calls)),
+        "rollout/mean_turns": sum(s.turns for s in samples) / len(samples),
+        "rollout/tool_use_rate": sum(s.used_tools() for s in samples) / len(samples),
+    }
+    stats = [s.agent_stats for s in samples if s.agent_stats]
+    if stats:
+        for name in ("splits", "untrained_tokens", "diverged"):
+            metrics[f"rollout/agent_{name}"] = sum(st[name] for st in stats)
+        metrics["rollout/agent_segments"] = sum(st["segments"] for st in stats) / len(stats)
+        metrics["rollout/agent_failures"] = float(sum(bool(s.agent_failure) for s in samples))
+    for reason in sorted({s.stop_reason for s in samples if s.stop_reason}):
+        share = sum(s.stop_reason == reason for s in samples) / len(samples)
+        metrics[f"rollout/stop_{reason}"] = share
+    return metrics
