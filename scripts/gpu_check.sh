@@ -41,6 +41,17 @@ $PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone -m mileage t
 $PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone -m mileage train "${PARGS[@]}" --num-rollout 3
 $PY -m mileage ckpt verify "$OUT/packed"
 echo "proved: packed micro-batches match padded ones on the GPU (the kernel named above) and resume"
+echo "== --fsdp-cpu-offload: shards on the host, checkpoints between offloaded and resident shards"
+$PY -m torch.distributed.run --nproc-per-node "$NPROC" --standalone tests/offload_worker.py "$OUT/offload" | tee "$OUT/offload.log"
+test "$(grep -c '^OK ' "$OUT/offload.log")" -eq 5
+if [ "$NPROC" -ge 2 ]; then
+  OARGS=("${ARGS[@]/$OUT\/run/$OUT/offloaded}" --fsdp-cpu-offload)
+  $PY -m torch.distributed.run --nproc-per-node 2 --standalone -m mileage train "${OARGS[@]}" --num-rollout 2
+  # the same checkpoint resumed without offload
+  $PY -m torch.distributed.run --nproc-per-node 2 --standalone -m mileage train "${ARGS[@]/$OUT\/run/$OUT/offloaded}" --num-rollout 3
+  $PY -m mileage ckpt verify "$OUT/offloaded"
+fi
+echo "proved: FSDP2 CPU offload holds less GPU memory (the MiB above), trains like resident shards, and checkpoints move between the two"
 
 # Rollout servers on the GPU, when their packages are installed in this Python (SGLANG_PYTHON /
 # VLLM_PYTHON may name other environments). Written for a GPU machine; not run yet.

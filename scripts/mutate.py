@@ -2437,6 +2437,18 @@ MUTANTS = [
         '"tool_calls": calls, "open_turn": 0})',
         (PARTIAL_TOOLS_ROUNDS, PARTIAL_TOOLS_SERVE),
     ),
+    Mutant(
+        "offload-policy-dropped",
+        "--fsdp-cpu-offload is accepted but FSDP2 is never given the offload policy: the "
+        "shards and optimizer state stay in GPU memory",
+        "mileage/distributed/parallelize.py",
+        '        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device().type == "cuda")\n',
+        "        pass\n",
+        (
+            "tests/test_offload.py::"
+            "test_checkpoints_move_between_offloaded_and_resident_shards_bit_for_bit",
+        ),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)

@@ -85,7 +85,10 @@ def device() -> torch.device:
 
 
 def backend_for(dev: torch.device) -> str:
-    return "nccl" if dev.type == "cuda" else "gloo"
+    """NCCL for GPU tensors and gloo for CPU ones on a GPU host (a run with
+    --fsdp-cpu-offload reduces its gradient norm over CPU shards, as torchtitan sets it up);
+    gloo alone on the CPU."""
+    return "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"
 
 
 @contextmanager

@@ -33,6 +33,12 @@ class ParallelConfig:
         "under torchrun on GPUs: bf16 parameters in forward/backward, fp32 gradient reduction",
         choices=("none", "bf16"),
     )
+    fsdp_cpu_offload: bool = option(
+        False,
+        "under torchrun on GPUs: keep FSDP2's parameter shards, gradients and optimizer state in "
+        "host memory (CPUOffloadPolicy): each layer's shards are copied to the GPU for its "
+        "forward and backward, and the optimizer steps on the CPU (miles' meaning)",
+    )
     gradient_checkpointing: bool = option(
         False,
         "recompute each decoder layer's forward in the backward instead of keeping its "
@@ -54,6 +60,18 @@ class ParallelConfig:
             )
         env.check_device_choice(self.device)
         on_gpu = env.resolve_device(self.device, 0).type == "cuda"
+        if self.fsdp_cpu_offload and not on_gpu:
+            raise UserError(
+                "--fsdp-cpu-offload moves FSDP2's shards and optimizer state from GPU memory "
+                "to host memory; this run has no GPU, so they are in host memory already: drop "
+                "the flag"
+            )
+        if self.fsdp_cpu_offload and world_size <= 1:
+            raise UserError(
+                "--fsdp-cpu-offload offloads FSDP2's shards, and mileage shards with FSDP2 under "
+                "torchrun with more than one process; one process keeps the whole model on its "
+                "GPU (use --gradient-checkpointing or LoRA to fit it there)"
+            )
         if self.fsdp_mixed_precision != "none" and (world_size <= 1 or not on_gpu):
             raise UserError(
                 "--fsdp-mixed-precision bf16 needs GPUs under torchrun; this run is on CPU"
@@ -87,12 +105,16 @@ def is_meta(model: torch.nn.Module) -> bool:
 
 def shard_model(model: torch.nn.Module, cfg: ParallelConfig) -> torch.nn.Module:
     """Shard `model` in place over all ranks (FSDP2) and return it. A model on the meta device
-    stays there (`load_from_rank0` gives it storage and values)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    stays there (`load_from_rank0` gives it storage and values). With --fsdp-cpu-offload the
+    shards and buffers stay on the host (`shard_from_rank0` moves the buffers once they are
+    broadcast)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    if not is_meta(model):
-        model.to(env.device())
     kwargs = {}
+    if cfg.fsdp_cpu_offload:  # the shards stay in (pinned) host memory: no copy to the GPU
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device().type == "cuda")
+    elif not is_meta(model):
+        model.to(env.device())
     if cfg.fsdp_mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -105,6 +127,20 @@ def shard_model(model: torch.nn.Module, cfg: ParallelConfig) -> torch.nn.Module:
     return model
 
 
+def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move `model`'s buffers (not managed by FSDP2: the rotary frequencies) to `device`; with
+    --fsdp-cpu-offload the parameters stay on the host, but the forward runs on the GPU."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
+def shard_device(cfg: ParallelConfig) -> torch.device:
+    """Where this rank's shards live: its device, or the host with --fsdp-cpu-offload."""
+    return torch.device("cpu") if cfg.fsdp_cpu_offload else env.device()
+
+
 def shard_from_rank0(model: torch.nn.Module, cfg: ParallelConfig) -> torch.nn.Module:
     """Shard `model`, whose values only rank 0 holds (the other ranks built it on the meta
     device), and give every rank its shards of them. No rank but 0 ever holds the full model:
@@ -115,19 +151,24 @@ def shard_from_rank0(model: torch.nn.Module, cfg: ParallelConfig) -> torch.nn.Mo
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    if not env.is_distributed():
-        return shard_model(model, cfg)
+    if not env.is_distributed():  # one rank (a GPU check; the command line shards at N > 1)
+        shard_model(model, cfg)
+        if cfg.fsdp_cpu_offload:
+            buffers_to(model, env.device())
+        return model
     # rank 0's full values, kept alive past fully_shard (which replaces the parameters)
     full = {k: v.detach() for k, v in model.state_dict().items()} if env.is_main() else {}
     shard_model(model, cfg)
     if is_meta(model) or any(b.is_meta for b in model.buffers()):
-        model.to_empty(device=env.device())
+        model.to_empty(device=shard_device(cfg))
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
     del full
     with torch.no_grad():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
+    if cfg.fsdp_cpu_offload:
+        buffers_to(model, env.device())
     return model
 
 
