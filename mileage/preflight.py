@@ -153,6 +153,7 @@ def memory_plan(
         and not cfg.algo.use_dynamic_batch_size,
         activation_checkpointing=cfg.parallel.gradient_checkpointing,
         max_tokens=cfg.algo.max_tokens_per_gpu if cfg.algo.use_dynamic_batch_size else None,
+        offload=cfg.parallel.fsdp_cpu_offload,
     )
     saved = None
     if plan.action == RESUME and plan.weights_format == "native":

@@ -9,9 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from conftest import REPO, torchrun_env
+from test_memory import PASS, SMOLLM2, WORK
+
+from mileage.training.memory import estimate, model_size
 
 WORKER = Path(__file__).with_name("offload_worker.py")
 
@@ -39,3 +43,18 @@ def test_offload_without_a_gpu_is_one_line_that_says_what_would_work(cli, tmp_pa
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "no GPU" in lines[0] and "drop the flag" in lines[0], lines
     assert not (tmp_path / "s").exists()
+
+
+def test_the_memory_plan_counts_offloaded_state_on_the_host():
+    """Per GPU with offload: one gathered layer and its gradient, no shards, no optimizer state;
+    activations and logits unchanged."""
+    size = model_size(SMOLLM2)
+    work = replace(WORK, world_size=2, cuda=True, reference=True)
+    resident = estimate(size, work, *PASS).parts
+    offloaded = estimate(size, replace(work, offload=True), *PASS).parts
+    layer = size.layer_params * 4
+    assert offloaded["weights"] == offloaded["gradients"] == layer
+    assert offloaded["optimizer"] == offloaded["reference"] == 0
+    assert resident["weights"] == size.params * 4 // 2 + layer
+    for part in ("activations", "logits", "engine"):
+        assert offloaded[part] == resident[part]

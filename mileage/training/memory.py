@@ -125,6 +125,7 @@ class Workload:
     shared_prompts: bool = True  # each distinct prompt's forward runs once (not under FSDP2)
     activation_checkpointing: bool = False  # --gradient-checkpointing
     max_tokens: int | None = None  # --use-dynamic-batch-size: a packed micro-batch's tokens
+    offload: bool = False  # --fsdp-cpu-offload: shards, gradients, optimizer state on the host
 
     @property
     def tokens_per_sample(self) -> int:
@@ -159,7 +160,9 @@ def estimate(size: ModelSize, work: Workload, pass_tokens: int, logit_rows: int)
     and scores `logit_rows` of them."""
     n = max(work.world_size, 1)
     gathered = size.layer_params * FP32 if n > 1 else 0
-    state = size.params * FP32 // n + gathered
+    # with offload the device holds one gathered layer and its gradient, never the shards
+    sharded = 0 if work.offload else 1
+    state = sharded * size.params * FP32 // n + gathered
     if work.activation_checkpointing:  # --gradient-checkpointing
         per_token = size.layers * ACT_CHECKPOINTED * size.hidden * FP32
     else:
@@ -178,11 +181,11 @@ def estimate(size: ModelSize, work: Workload, pass_tokens: int, logit_rows: int)
     parts = {
         "runtime": 0 if work.cuda else RUNTIME_BYTES,
         "weights": state,
-        "gradients": size.trainable * FP32 // n,
-        "optimizer": 2 * size.trainable * FP32 // n,
-        "reference": size.params * FP32 // n if work.reference else 0,
-        "teacher": work.teacher_params * FP32 // n,
-        "critic": (size.params + 3 * size.trainable) * FP32 // n if work.critic else 0,
+        "gradients": gathered if work.offload else size.trainable * FP32 // n,
+        "optimizer": sharded * 2 * size.trainable * FP32 // n,
+        "reference": sharded * size.params * FP32 // n if work.reference else 0,
+        "teacher": sharded * work.teacher_params * FP32 // n,
+        "critic": sharded * (size.params + 3 * size.trainable) * FP32 // n if work.critic else 0,
         "activations": tokens * per_token,
         "logits": logit_rows * size.vocab * FP32 * LOGIT_COPIES,
         "engine": engine,
@@ -288,6 +291,11 @@ class MemoryPlan:
                 if self.work.activation_checkpointing
                 else ""
             )
+            + (
+                "; shards, gradients and optimizer state in host memory (--fsdp-cpu-offload)"
+                if self.work.offload
+                else ""
+            )
         )
 
     def to_dict(self) -> dict:
@@ -302,6 +310,7 @@ class MemoryPlan:
             "activation_bytes_per_token": self.estimate.per_token,
             "log_probs_chunk_size": self.work.chunk_tokens,
             "activation_checkpointing": self.work.activation_checkpointing,
+            "offload": self.work.offload,
         }
 
     def rollout_estimate(self, pass_tokens: int, logit_rows: int) -> int:
