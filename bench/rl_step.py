@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--vllm-python", help="Python of a vLLM venv (scripts/install_vllm.sh)")
     p.add_argument(
+        "--mileage-args",
+        default="",
+        help='more flags for every mileage run, one string (e.g. "--gradient-checkpointing '
+        '--use-dynamic-batch-size --max-tokens-per-gpu 512"); recorded with the results',
+    )
+    p.add_argument(
         "--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16 (default both)"
     )
     p.add_argument(
@@ -114,6 +121,7 @@ def mileage_run(
     threads: int,
     vllm_python: str | None = None,
     precision: str = "fp32",
+    extra: tuple[str, ...] = (),
 ) -> dict:
     total = config["warmup"] + config["steps"]
     with tempfile.TemporaryDirectory(prefix="bench-mileage-") as save:
@@ -136,6 +144,7 @@ def mileage_run(
             cmd += ["--hf-checkpoint", model_dir]
         if vllm_python:  # mileage launches vLLM (its start-up is outside every step's time)
             cmd += ["--rollout-engine", "vllm", "--vllm-python", vllm_python]
+        cmd += extra
         code, wall, rss, output = run_measured(cmd)
         if code != 0:
             raise RuntimeError(f"mileage train failed ({code}):\n{output[-3000:]}")
@@ -339,7 +348,8 @@ def main(argv=None) -> int:
                 loads.append(load_average())
                 if fw in ("mileage", "mileage-vllm"):
                     vllm = args.vllm_python if fw == "mileage-vllm" else None
-                    result = mileage_run(config, model_dir, args.threads, vllm, prec)
+                    extra = tuple(shlex.split(args.mileage_args))
+                    result = mileage_run(config, model_dir, args.threads, vllm, prec, extra)
                 else:
                     result = trl_run(name, config, hf_dir, args.threads, prec)
                 results[(fw, prec)].append(result)
@@ -353,6 +363,7 @@ def main(argv=None) -> int:
             trl = summary.get(("trl", prec))  # TRL at the same precision
             if trl is not None:
                 row["ratio_vs_trl"] = row["s_per_step"] / trl["s_per_step"]
+                row["rss_vs_trl"] = row["peak_rss_mib"] / trl["peak_rss_mib"]
         rows += summary.values()
         raw[name] = {
             "config": config,
@@ -374,6 +385,7 @@ def main(argv=None) -> int:
             ("sync_s", "weight sync s"),
             ("completion_len", "completion len"),
             ("peak_rss_mib", "peak RSS MiB"),
+            ("rss_vs_trl", "RSS vs TRL"),
         ],
     )
     write_results(
