@@ -76,8 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--mileage-args",
         default="",
-        help='more flags for every mileage run, one string (e.g. "--gradient-checkpointing '
-        '--use-dynamic-batch-size --max-tokens-per-gpu 512"); recorded with the results',
+        help='more flags for every mileage run, one string after "=" (e.g. --mileage-args='
+        '"--gradient-checkpointing --micro-batch-size 4"); recorded with the results',
     )
     p.add_argument(
         "--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16 (default both)"
