@@ -44,6 +44,13 @@ def main() -> None:
     ap.add_argument("--sft-rollouts", type=int, default=40)
     ap.add_argument("--sft-lr", default="3e-5")
     ap.add_argument("--grpo-rollouts", type=int, default=20)
+    ap.add_argument(
+        "--held-out",
+        type=int,
+        default=100,
+        help="held-out items the three checkpoints are scored on (training evaluates on the "
+        "first 100 either way; a larger split starts with those 100)",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,9 +69,11 @@ def main() -> None:
          # the SFT run: a rerun finds this RL run's own checkpoints in --save and resumes them
          "--load", str(sft), "--save-interval", "10", "--save-keep-last", "1"], grpo, out / "grpo.log")  # fmt: skip
     last_sft, last_grpo = read_tracker(sft).iteration, read_tracker(grpo).iteration
-    start = item_scores([*common, "--num-rollout", "1"])
-    after_sft = item_scores([*common, "--load", str(sft), "--num-rollout", str(last_sft + 2)])
-    after_grpo = item_scores([*common, "--load", str(grpo), "--num-rollout", str(last_grpo + 2)])
+    task = f"{TASK}&eval_size={args.held_out}" if args.held_out != 100 else TASK
+    scored = [*common[:3], task, *common[4:]]  # the same flags, the held-out split resized
+    start = item_scores([*scored, "--num-rollout", "1"])
+    after_sft = item_scores([*scored, "--load", str(sft), "--num-rollout", str(last_sft + 2)])
+    after_grpo = item_scores([*scored, "--load", str(grpo), "--num-rollout", str(last_grpo + 2)])
     summary = {
         "held_out_items": len(start),
         "sft": {"rollouts": args.sft_rollouts, "records_per_rollout": 16, "lr": args.sft_lr},

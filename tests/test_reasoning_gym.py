@@ -35,6 +35,9 @@ def test_spec_parsing():
         1 + EVAL_SEED_OFFSET,
         spec.options,
     )
+    larger = parse_gym_spec("gym:basic_arithmetic?size=5&seed=1&eval_size=400")
+    assert larger.held_out().size == 400 and larger.options == ()
+    assert str(larger) == "gym:basic_arithmetic?size=5&seed=1&eval_size=400"
 
 
 @pytest.mark.parametrize(
@@ -42,8 +45,9 @@ def test_spec_parsing():
     [
         ("gym:", "name a reasoning-gym task"),
         ("gym:basic_arithmetic?size=-1", "size must be a non-negative integer"),
-        ("gym:basic_arithmetic?size=0", "size must be positive"),
+        ("gym:basic_arithmetic?size=0", "size and eval_size must be positive"),
         ("gym:basic_arithmetic?seed=x", "seed must be a non-negative integer"),
+        ("gym:basic_arithmetic?eval_size=0", "size and eval_size must be positive"),
         ("gym:basic_arithmetic?oops", "'oops' is not KEY=VALUE"),
     ],
 )

@@ -10,7 +10,8 @@ and the data position `(epoch, offset)` of the checkpoint resumes exactly.
 
 Without `--eval-prompt-data`, the held-out split is the same task and options with seed
 `seed + EVAL_SEED_OFFSET` (far beyond any training index, so no item shares a training item's
-random stream), without any question that also occurs in the training data.
+random stream), without any question that also occurs in the training data: its first
+`eval_size` items (default 100; a larger split starts with the smaller one's items).
 """
 
 from __future__ import annotations
@@ -41,15 +42,18 @@ class GymSpec:
     seed: int
     options: tuple[tuple[str, Any], ...] = ()
     instruction: str = ""
+    eval_size: int = DEFAULT_EVAL_SIZE  # items of the held-out split (`eval_size=N`)
 
-    def held_out(self, size: int = DEFAULT_EVAL_SIZE) -> GymSpec:
-        return replace(self, size=size, seed=self.seed + EVAL_SEED_OFFSET)
+    def held_out(self) -> GymSpec:
+        return replace(self, size=self.eval_size, seed=self.seed + EVAL_SEED_OFFSET)
 
     def prompt_text(self, entry: dict) -> str:
         return f"{entry['question']} {self.instruction}" if self.instruction else entry["question"]
 
     def __str__(self) -> str:
         extra = "".join(f"&{k}={json.dumps(v)}" for k, v in self.options)
+        if self.eval_size != DEFAULT_EVAL_SIZE:
+            extra += f"&eval_size={self.eval_size}"
         return f"{PREFIX}{self.task}?size={self.size}&seed={self.seed}{extra}"
 
 
@@ -75,13 +79,15 @@ def parse_gym_spec(text: str, flag: str = "--prompt-data") -> GymSpec:
         # tuples, so that a spec is hashable (datasets are cached per spec)
         fields[key] = tuple(value) if isinstance(value, list) else value
     size, seed = fields.pop("size", DEFAULT_SIZE), fields.pop("seed", 0)
+    eval_size = fields.pop("eval_size", DEFAULT_EVAL_SIZE)
     instruction = str(fields.pop("instruction", ""))
-    for name, value in (("size", size), ("seed", seed)):
+    for name, value in (("size", size), ("seed", seed), ("eval_size", eval_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise UserError(f"{flag} {text!r}: {name} must be a non-negative integer")
-    if size == 0:
-        raise UserError(f"{flag} {text!r}: size must be positive")
-    return GymSpec(task, size, seed, tuple(sorted(fields.items())), instruction)
+    if size == 0 or eval_size == 0:
+        raise UserError(f"{flag} {text!r}: size and eval_size must be positive")
+    options = tuple(sorted(fields.items()))
+    return GymSpec(task, size, seed, options, instruction, eval_size)
 
 
 def _reasoning_gym():
