@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
-from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.rollout.buffer import Group, RolloutBuffer
 from mileage.rollout.dynamic import (
@@ -44,7 +43,7 @@ from mileage.rollout.journal import ToolJournal
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rewards import RewardFn, score_all
 from mileage.rollout.rewards.journaled import ScoreOnce, in_place, scored_once
-from mileage.rollout.rollout import PromptEncoder, Sample, inadmissible
+from mileage.rollout.rollout import PromptEncoder, Sample, refuse_offpolicy
 
 if TYPE_CHECKING:
     from mileage.rollout.agent import Agent
@@ -137,13 +136,7 @@ class RoundGenerator:
             )
             new = [v for s, o in zip(samples, out, strict=True)
                    for v in (o.weight_versions or [])[len(s.weight_versions or []) :]]  # fmt: skip
-            refused = inadmissible(new, engine.weight_version, 0)
-            if refused is not None:
-                raise UserError(
-                    f"rollout {rollout_id}: the engine returned tokens of weight version "
-                    f"{refused}, expected {engine.weight_version}; refusing to train on "
-                    "off-policy data"
-                )
+            refuse_offpolicy(new, engine.weight_version, rollout_id)
             finished = [out[i : i + n] for i in range(0, len(out), n)]
             finished = [g for g in finished if all(self.done(s) for s in g)]
             agent.score([s for g in finished for s in g], n, slot)
@@ -174,26 +167,16 @@ class RoundGenerator:
             out = self.engine.generate(inputs, params, seed, group_size=self.n_samples)
             for i, c in zip(picked, out, strict=True):
                 completions[i] = c
-        refused = inadmissible(
-            [c.weight_version for c in completions], self.engine.weight_version, 0
-        )
-        if refused is not None:
-            raise UserError(
-                f"rollout {rollout_id}: the engine returned samples of weight version {refused}, "
-                f"expected {self.engine.weight_version}; refusing to train on off-policy data"
-            )
+        versions = [c.weight_version for c in completions]
+        refuse_offpolicy(versions, self.engine.weight_version, rollout_id)
         return completions
 
     def new_group(self, prompt: Prompt, slot: int, rollout_id: int) -> Group:
-        if self.tool_loop is None:
-            ids = list(self.encode(prompt.text))
-            mask = None
-        else:  # with the prompt's tool specs; a trajectory has a loss mask from its start
-            ids, mask = self.tool_loop.prompt_ids(prompt), []
+        trajectory = self.tool_loop is not None
+        # a trajectory's prompt carries its tool specs, and it has a loss mask from its start
+        ids = self.tool_loop.prompt_ids(prompt) if trajectory else self.encode(prompt.text)
         samples = [
-            Sample(
-                prompt, list(ids), [], [], "", 0.0, False, None, [], None if mask is None else []
-            )
+            Sample(prompt, list(ids), [], [], "", 0.0, False, None, [], [] if trajectory else None)
             for _ in range(self.n_samples)
         ]
         return Group(slot, rollout_id, samples)

@@ -120,12 +120,7 @@ def generate_samples(
                 engine, encode, prompts, params, n_samples, seed, rollout_id
             ),
         )
-    refused = inadmissible([s.weight_version for s in samples], engine.weight_version, 0)
-    if refused is not None:
-        raise UserError(
-            f"rollout {rollout_id}: the engine returned samples of weight version {refused}, "
-            f"expected {engine.weight_version}; refusing to train on off-policy data"
-        )
+    refuse_offpolicy([s.weight_version for s in samples], engine.weight_version, rollout_id)
     return samples
 
 
@@ -172,6 +167,17 @@ def inadmissible(versions: list[int | None], newest: int, max_staleness: int | N
         if version > newest or (max_staleness is not None and newest - version > max_staleness):
             return version
     return None
+
+
+def refuse_offpolicy(versions: list[int | None], newest: int, rollout_id: int) -> None:
+    """Synchronous training's admission (staleness 0): a UserError (exit 2) when any of
+    `versions` is not the engine's current weight version `newest`."""
+    refused = inadmissible(versions, newest, 0)
+    if refused is not None:
+        raise UserError(
+            f"rollout {rollout_id}: the engine returned tokens of weight version {refused}, "
+            f"expected {newest}; refusing to train on off-policy data"
+        )
 
 
 def debug_path(template: str, slot: int) -> Path:
