@@ -59,15 +59,18 @@ class ScriptedEngine:
         out = []
         for ids in prompts:
             text = self.tok.decode(ids, skip_special_tokens=True)
-            prompt = text[: text.index("=") + 1]
-            turn = text.count(">")
-            answer = self.tok(SCRIPT[prompt][turn], add_special_tokens=False)["input_ids"]
+            answer = self.tok(self.answer(text), add_special_tokens=False)["input_ids"]
             finished = len(answer) < params.max_new_tokens
             ids_out = answer + [self.tok.eos_token_id] if finished else answer
             ids_out = ids_out[: params.max_new_tokens]
             logprobs = [-0.25 - 0.01 * i for i in range(len(ids_out))]
             out.append(Completion(list(ids), ids_out, logprobs, finished, self.weight_version))
         return out
+
+    def answer(self, text: str) -> str:
+        """What the model writes after `text`: its prompt's answer for the turn it is in."""
+        prompt = text[: text.index("=") + 1]
+        return SCRIPT[prompt][text.count(">")]
 
     def update_weights(self, model, version):
         self.weight_version = version

@@ -14,7 +14,6 @@ from test_multiturn import PARAMS, SCRIPT, ScriptedEngine, build_agent, make_con
 from mileage.rollout.buffer import RolloutBuffer
 from mileage.rollout.data import Prompt, PromptSource
 from mileage.rollout.dynamic import DynamicSamplingConfig
-from mileage.rollout.engines.base import Completion
 from mileage.rollout.partial import RoundGenerator, offpolicy_tokens, sample_partial
 from mileage.rollout.rollout import generate_samples
 from mileage.rollout.sample import Sample
@@ -27,22 +26,13 @@ TEXTS = [t for t in SCRIPT if t != "44+44="]
 class ContinuingEngine(ScriptedEngine):
     """ScriptedEngine, but an input that ends inside a turn continues that turn's answer."""
 
-    def generate(self, prompts, params, seed=None, group_size=1):
-        self.calls.append(([list(p) for p in prompts], params, seed))
-        out = []
-        for ids in prompts:
-            text = self.tok.decode(ids, skip_special_tokens=True)
-            prompt = text[: text.index("=") + 1]
-            turn = text.count(">")
-            done = text[text.rindex(">") + 1 :] if turn else text[len(prompt) :]
-            answer = SCRIPT[prompt][turn]
-            assert answer.startswith(done), "a continuation must start from its own prefix"
-            rest = self.tok(answer[len(done) :], add_special_tokens=False)["input_ids"]
-            finished = len(rest) < params.max_new_tokens
-            new = (rest + [self.tok.eos_token_id] if finished else rest)[: params.max_new_tokens]
-            logprobs = [-(self.weight_version + 1) / 4] * len(new)
-            out.append(Completion(list(ids), new, logprobs, finished, self.weight_version))
-        return out
+    def answer(self, text: str) -> str:
+        prompt = text[: text.index("=") + 1]
+        turn = text.count(">")
+        done = text[text.rindex(">") + 1 :] if turn else text[len(prompt) :]
+        answer = SCRIPT[prompt][turn]
+        assert answer.startswith(done), "a continuation must start from its own prefix"
+        return answer[len(done) :]
 
 
 def trajectory(s: Sample) -> tuple:
