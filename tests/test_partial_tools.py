@@ -64,7 +64,7 @@ def test_trajectories_continued_round_after_round_end_where_one_call_ends(tmp_pa
     try:
         while any(s.stop_reason is None for s in samples):
             before = [len(s.response_ids) for s in samples]
-            samples = agent.continue_tool_loop(engine, samples, PARAMS, budget, 7, slot)
+            samples = agent.continue_tool_loop(engine, samples, PARAMS, budget, 7, slot, 2)
             for s, n in zip(samples, before, strict=True):
                 s.check()
                 # at most `budget` new model tokens per round (tool tokens come on top)

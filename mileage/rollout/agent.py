@@ -264,12 +264,13 @@ class Agent:
 
     def continue_tool_loop(
         self, engine: Engine, samples: list[Sample], params: SamplingParams, budget: int,
-        seed: int, slot: int,
+        seed: int, slot: int, n: int,
     ) -> list[Sample]:  # fmt: skip
-        """--partial-rollout: each unfinished trajectory (sample i of the round's group i // n)
-        advanced by the built-in tool loop by at most `budget` model tokens, seeded by `slot`;
-        a sample with a stop reason comes back as it was. New samples, not yet scored."""
-        n, batcher = self.config.rollout.n_samples_per_prompt, TurnBatcher(engine)
+        """--partial-rollout: each unfinished trajectory (sample i of the round's group i // n,
+        groups of `n`) advanced by the built-in tool loop by at most `budget` model tokens,
+        seeded by `slot`; a sample with a stop reason comes back as it was. New samples, not
+        yet scored."""
+        batcher = TurnBatcher(engine)
         rows = [i for i, s in enumerate(samples) if s.stop_reason is None]
         coroutines = [
             tool_loop(

@@ -132,7 +132,7 @@ class RoundGenerator:
 
         def job(engine: Engine) -> list[Sample]:
             out = agent.continue_tool_loop(
-                engine, samples, self.params, self.round_tokens, self.seed, slot
+                engine, samples, self.params, self.round_tokens, self.seed, slot, n
             )
             new = [v for s, o in zip(samples, out, strict=True)
                    for v in (o.weight_versions or [])[len(s.weight_versions or []) :]]  # fmt: skip
