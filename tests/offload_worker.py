@@ -128,7 +128,7 @@ if __name__ == "__main__":
     # a process group at any world size (FSDP2 needs one even for one rank)
     if env.device().type == "cuda":
         torch.cuda.set_device(env.device())
-    dist.init_process_group(env.backend_for(env.device()))
+    dist.init_process_group(env.backend_for(env.device(), host_collectives=True))
     main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()))
     dist.barrier()
     dist.destroy_process_group()

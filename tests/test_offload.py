@@ -58,3 +58,14 @@ def test_the_memory_plan_counts_offloaded_state_on_the_host():
     assert resident["weights"] == size.params * 4 // 2 + layer
     for part in ("activations", "logits", "engine"):
         assert offloaded[part] == resident[part]
+
+
+def test_only_an_offloaded_gpu_run_adds_gloo_for_host_tensors():
+    import torch
+
+    from mileage.distributed import env
+
+    gpu = torch.device("cuda", 0)
+    assert env.backend_for(gpu, host_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert env.backend_for(gpu) == "nccl"
+    assert env.backend_for(torch.device("cpu"), host_collectives=True) == "gloo"

@@ -64,7 +64,7 @@ def train_command(cfg: RunConfig, asynchronous: bool = False, supervised: bool =
         cfg.validate_async()
     if supervised:
         check_sft_run(cfg)
-    with env.session():
+    with env.session(host_collectives=cfg.parallel.fsdp_cpu_offload):
         return _train(cfg, asynchronous, supervised)
 
 

@@ -84,15 +84,17 @@ def device() -> torch.device:
     return resolve_device(_requested, local_rank())
 
 
-def backend_for(dev: torch.device) -> str:
-    """NCCL for GPU tensors and gloo for CPU ones on a GPU host (a run with
-    --fsdp-cpu-offload reduces its gradient norm over CPU shards, as torchtitan sets it up);
-    gloo alone on the CPU."""
-    return "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"
+def backend_for(dev: torch.device, host_collectives: bool = False) -> str:
+    """NCCL on a GPU, gloo on the CPU; with `host_collectives` (--fsdp-cpu-offload, whose
+    gradient norm reduces over host shards, as torchtitan sets it up) gloo beside NCCL for
+    the CPU tensors of a GPU run."""
+    if dev.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
 
 
 @contextmanager
-def session() -> Iterator[None]:
+def session(host_collectives: bool = False) -> Iterator[None]:
     """Join the process group torchrun describes (if it describes more than one process)."""
     if world_size() <= 1 or dist.is_initialized():
         yield
@@ -105,7 +107,7 @@ def session() -> Iterator[None]:
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend_for(dev), timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend_for(dev, host_collectives), timeout=COLLECTIVE_TIMEOUT)
     try:
         yield
     except BaseException:
