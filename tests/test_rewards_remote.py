@@ -45,6 +45,12 @@ class RewardServer:
                 if action in ("404", "503"):
                     self.send_error(int(action))
                     return
+                if action == "cut":  # dies mid-answer: a body promised, none sent
+                    self.send_response(200)
+                    self.send_header("Content-Length", "186")
+                    self.end_headers()
+                    self.close_connection = True
+                    return
                 if action == "garbage":
                     answer = b"<html>oops</html>"
                 elif action is not None:
@@ -133,6 +139,7 @@ def free_port() -> int:
         ("garbage", "not JSON"),
         ([1, 2], "not a finite number"),
         ("503", "HTTP 503"),
+        ("cut", r"broke off its answer \(IncompleteRead\)"),
     ],
 )
 def test_bad_servers_end_in_one_user_error_after_bounded_retries(behaviour, message):

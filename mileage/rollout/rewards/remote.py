@@ -11,6 +11,7 @@ stays as it was.
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import time
@@ -89,6 +90,9 @@ class RemoteReward:
             raise RewardServerError(f"answered HTTP {exc.code} {exc.reason}", retry) from None
         except TimeoutError:
             raise RewardServerError(f"did not answer within {timeout_s:g}s") from None
+        except http.client.HTTPException as exc:
+            # a server that dies mid-answer: a cut-off body (IncompleteRead) or status line
+            raise RewardServerError(f"broke off its answer ({type(exc).__name__})") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             if isinstance(reason, TimeoutError):
