@@ -247,11 +247,12 @@ def test_keep_old_actor_kills_resume_to_the_uninterrupted_run(
     records = rollout_records(reference)
     assert [r["staleness_max"] for r in records] == [0, 1, 1, 1]
     # the denominator is recomputed with the weights that generated each sample: it matches
-    # the engine's log-probs of those weights up to kernel rounding, where the trainer's
-    # current weights (the decoupled run's proximal policy) are a whole update away
+    # the engine's log-probs of those weights up to kernel rounding (bf16: up to 2.9e-4 on an
+    # Intel Xeon with AMX, ~1e-7 on an AMD EPYC), where the trainer's current weights (the
+    # decoupled run's proximal policy) are a whole update away (0.17 to 0.26 there)
     decoupled = rollout_records(one_step_reference[0])
     for kept, proximal in zip(records[1:], decoupled[1:4], strict=True):
-        assert kept["logprob_abs_diff"] < 1e-5 < proximal["logprob_abs_diff"]
+        assert kept["logprob_abs_diff"] < 1e-3 < proximal["logprob_abs_diff"]
     assert (reference / "iter_0000002" / "old_actor.safetensors").is_file()
     plan = cli("plan", *KEEP_ARGS, "--save", reference, "--load", reference, "--ckpt-step", "1")
     assert plan.returncode == 0, plan.stderr

@@ -39,9 +39,11 @@ from mileage.testing.servers import SAME_HEAD_AS_TRAINER, ServeProcess, start_se
 
 # 32 samples a rollout in two optimizer steps, so a kill can land between them
 TRAIN = builtin_train_args("--global-batch-size", "16", "--rollout-shuffle")
-# the engine's log-probs against the trainer's recomputed ones: the same arithmetic on the same
-# weights agrees to float rounding; the weights of the rollout before are off by ~1e-2
-MISMATCH_TOLERANCE = 1e-4
+# the engine's log-probs against the trainer's recomputed ones: the same weights agree to the
+# rounding of their kernels (in bf16 the engine's decode and the trainer's forward may take
+# different ones: 1.3e-4 apart on an Intel Xeon with AMX, ~1e-7 on an AMD EPYC); the weights of
+# the rollout before are off by ~1e-2
+MISMATCH_TOLERANCE = 1e-3
 PROBE_SEED = 77
 
 

@@ -79,6 +79,22 @@ def local(model, tokenizer, rows) -> list[tuple[list[int], list[float]]]:
     return [(c.response_ids, c.logprobs) for c in done]
 
 
+def as_base(generated, base) -> bool:
+    """The base model's generation: the same tokens, log-probs within 1e-6. Once PEFT has been
+    in the served model, its base log-probs may sit 1e-7 from the first ones on some hosts (an
+    Intel Xeon with AMX; an AMD EPYC repeats them bit for bit) although its weights, their
+    addresses, its config and the thread count are unchanged (not pinned down); an adapter left
+    in moves them by far more."""
+    if [ids for ids, _ in generated] != [ids for ids, _ in base]:
+        return False
+    pairs = [
+        (a, b)
+        for (_, x), (_, y) in zip(generated, base, strict=True)
+        for a, b in zip(x, y, strict=True)
+    ]
+    return max(abs(a - b) for a, b in pairs) < 1e-6
+
+
 def test_served_adapter_generates_exactly_as_the_trainers_local_engine(builtin_model, tmp_path):
     from peft import get_peft_model_state_dict
 
@@ -100,7 +116,7 @@ def test_served_adapter_generates_exactly_as_the_trainers_local_engine(builtin_m
     trainer = local(policy.model, server.tokenizer, rows)
     assert adapted == trainer  # tokens and log-probs, bit for bit
     assert adapted != base
-    assert generate(server, rows) == base  # no lora_path: the base alone, as before
+    assert as_base(generate(server, rows), base)  # no lora_path: the base alone, as before
 
     # the same adapter inside the request
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
@@ -129,13 +145,13 @@ def test_served_adapter_generates_exactly_as_the_trainers_local_engine(builtin_m
     with pytest.raises(ValueError, match="one adapter per request"):
         generate(server, rows, ["v2", None])
     assert server.lora.unload({"lora_name": "v2"})["success"]
-    assert generate(server, rows) == base  # the last unload takes PEFT's layers out
+    assert as_base(generate(server, rows), base)  # the last unload takes PEFT's layers out
 
     # a full weight update replaces the model: its adapters go with it
     assert server.lora.load_from_disk({"lora_name": "v4", "lora_path": str(adapter_dir)})["success"]
     assert server.update_weights({"model_path": str(builtin_model)})["success"]
     assert server.lora.adapters.loaded() == {}
-    assert generate(server, rows) == base
+    assert as_base(generate(server, rows), base)
 
 
 def test_serve_without_enable_lora_refuses_adapters(builtin_model, tmp_path):
