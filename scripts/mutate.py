@@ -2438,6 +2438,17 @@ MUTANTS = [
         (PARTIAL_TOOLS_ROUNDS, PARTIAL_TOOLS_SERVE),
     ),
     Mutant(
+        "reward-cut-off-answer-escapes",
+        "a reward or judge server that breaks off its answer escapes as "
+        "`http.client.IncompleteRead` (a traceback, exit 1)",
+        "mileage/rollout/rewards/remote.py",
+        "        except http.client.HTTPException as exc:\n",
+        "        except ZeroDivisionError as exc:\n",
+        (
+            "tests/test_rewards_remote.py::test_bad_servers_end_in_one_user_error_after_bounded_retries",
+        ),
+    ),
+    Mutant(
         "offload-policy-dropped",
         "--fsdp-cpu-offload is accepted but FSDP2 is never given the offload policy: the "
         "shards and optimizer state stay in GPU memory",
