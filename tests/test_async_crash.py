@@ -188,7 +188,12 @@ def serve_args(builtin_model):
     server.stop()
 
 
+# composition row 34 trains a critic too (PPO with GAE): one-step-off with critic PPO
+PPO_ARGS = ["--advantage-estimator", "ppo", "--normalize-advantages", "--lambd", "0.95"]
+
+
 def test_serve_engine_kills_and_sigterm_resume_exactly(serve_args, builtin_model, tmp_path):
+    serve_args = [*serve_args, *PPO_ARGS]
     reference = tmp_path / "reference"
     run_uninterrupted(serve_args, reference, subcommand=ASYNC)
     assert_learned(reference, builtin_model)

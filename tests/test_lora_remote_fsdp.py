@@ -2,7 +2,7 @@
 gathers the adapter from the shards (the base once per launch) and sends it alone, through the
 disk or inside the request (--lora-sync-from-tensor).
 
-It shows: the run learns and the server samples with the trainer's weights at every rollout
+The run also has a user's rollout function and a critic (PPO). It shows: the run learns and the server samples with the trainer's weights at every rollout
 (log-probs to float rounding); the adapter the server holds at the end is the trainer's final
 adapter bit for bit; rollout 0 draws the samples one process draws through the same server; and
 a run synced by tensors, killed on either rank (also after the server got an adapter no
@@ -24,7 +24,7 @@ from mileage.checkpoint.tensors import MODEL_DIR, load_tensors
 from mileage.metrics import TIMING_KEYS, read_metrics
 from mileage.testing.compare import compare_runs
 from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
-from mileage.testing.kills import Kill
+from mileage.testing.kills import Kill, ppo_crash_run_args
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
@@ -45,6 +45,10 @@ ARGS = [
     "--rollout-engine", "sglang",
     "--rollout-timeout", "30",
     "--rollout-sync-timeout", "60",
+    # a user's rollout function (it filters groups and draws further prompts; rank 0 runs it)
+    # and a critic (PPO with GAE, a critic-only rollout first): composition row 26
+    "--rollout-function-path", f"{Path(__file__).with_name('user_rollout.py')}:rollout",
+    *ppo_crash_run_args()[ppo_crash_run_args().index("--advantage-estimator") :],
 ]  # fmt: skip
 
 
