@@ -510,3 +510,20 @@ def test_no_internal_session_numbers_in_docs_or_code():
             if pattern.search(line):
                 found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()[:80]}")
     assert found == []
+
+
+def test_the_composition_matrix_runs_every_pair_of_factors_under_kills():
+    """docs/composition.md's table covers every pair (scripts/composition_pairs.py); the check
+    names what a row's removal leaves uncovered."""
+    import runpy
+
+    pairs = runpy.run_path(str(REPO / "scripts" / "composition_pairs.py"))
+    text = (REPO / "docs" / "composition.md").read_text()
+    report, missing = pairs["coverage"](text)
+    assert missing == [] and len(report) == 103, missing
+    without_45 = "\n".join(line for line in text.splitlines() if not line.startswith("| 45 |"))
+    _, missing = pairs["coverage"](without_45)
+    assert "source=rollout fn x weights=full" in missing, missing
+    # every row the table names is a test function of the suite
+    for test in re.findall(r"\| (test_\w+\.py)::(test_\w+)", text):
+        assert f"def {test[1]}(" in (REPO / "tests" / test[0]).read_text(), test
