@@ -3,8 +3,9 @@
 Factors (issue 33): driver {sync, one-step-off, fully async} x source {plain, dynamic sampling,
 partial rollout, multi-turn tools, user rollout function} x weights {full, LoRA} x engine {local,
 mileage serve} x world size {1, 2} x algorithm {GRPO, critic PPO}. Every pair of values of two
-factors must be run under kills by some row of the table, or be refused for a physical reason
-quoted in the doc's "Refused combinations" section. Prints each pair with the first row that runs
+factors must be run by some row of the table with at least two kills (the numbers before "named"
+and "at random" in its kills column), or be refused for a physical reason quoted in the doc's
+"Refused combinations" section. Prints each pair with the first row that runs
 it; exits 1 naming the pairs no row runs.
 
     python scripts/composition_pairs.py [docs/composition.md]
@@ -44,15 +45,25 @@ _SOURCES = {
 }
 
 
+MIN_KILLS = 2
+
+
+def kills(cell: str) -> int:
+    """The kills a row's kills column counts: "3 named: ...", "4 at random instants ..."."""
+    return sum(int(n) for n in re.findall(r"(\d+) (?:named|at random)", cell))
+
+
 def rows(text: str) -> list[tuple[str, dict[str, set[str]]]]:
-    """(row number, {factor: values}) for each row of the killed-runs table."""
+    """(row number, {factor: values}) for each row of the killed-runs table with at least
+    MIN_KILLS kills."""
     out = []
     for line in text.splitlines():
         if not re.match(r"\| \d+ \|", line):
             continue
-        number, driver, source, weights, engine, n, algorithm = [
-            cell.strip() for cell in line.split("|")[1:8]
-        ]
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        number, driver, source, weights, engine, n, algorithm = cells[:7]
+        if kills(cells[8]) < MIN_KILLS:
+            continue
         values = {
             "driver": {_DRIVERS[driver]} if driver in _DRIVERS else set(),
             "source": {name for key, name in _SOURCES.items() if key in source},

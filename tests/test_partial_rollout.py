@@ -343,8 +343,8 @@ def test_under_torchrun_kills_resume_to_the_uninterrupted_n2_run(
     partial_reference, builtin_model, tmp_path
 ):
     """Every rank samples its share of each round and gathers all of it, so every rank judges the
-    same groups and holds the same buffer; rank 0 saves it. Rank 0 killed after writing the
-    second checkpoint's buffer: the rerun restores the first checkpoint's buffer on both ranks
+    same groups and holds the same buffer; rank 0 saves it. Rank 1 killed between rounds, then
+    rank 0 killed after writing the second checkpoint's buffer: the rerun restores the first checkpoint's buffer on both ranks
     and ends on the uninterrupted N=2 run (the one-process chain above kills between rounds)."""
     from conftest import REPO, assert_learned
 
@@ -356,7 +356,10 @@ def test_under_torchrun_kills_resume_to_the_uninterrupted_n2_run(
     assert_learned(reference, builtin_model)
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("partial_rollout/groups_aborted", 0) for r in records) > 0
-    kills = [Kill.at("save_after_state", 2, rank=0)]
+    kills = [
+        Kill.at("after_sampling_round", 4, rank=1),  # between rounds, groups aborted, unsaved
+        Kill.at("save_after_state", 2, rank=0),
+    ]
     save = tmp_path / "run"
     outcomes = run_with_kills(args, save, kills, max_reruns=2, nproc=2, env=env, timeout=300)
     table = outcome_table(outcomes)
