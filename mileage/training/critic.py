@@ -110,7 +110,9 @@ class ValueModel(torch.nn.Module):
         hidden = self.body(
             input_ids=input_ids, attention_mask=attention_mask, **kwargs
         ).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()
+        # a copy, not a view (squeeze; float() of fp32 is the same tensor): FSDP2 hooks its
+        # backward on a sharded model's output, and on a view an in-place op would drop the hook
+        return self.value_head(hidden).squeeze(-1).float().clone()
 
 
 def sequence_values(model: ValueModel, batch: TrainBatch) -> torch.Tensor:

@@ -169,7 +169,10 @@ def head_logprobs(
                 piece = _chunk_logprobs(*part, *args)
             pieces.append(piece)
         out = torch.cat(pieces)
-    return out.view(*targets.shape, out.shape[-1])
+    # a copy, not a view: this is the output of a sharded model's forward, and FSDP2 hooks its
+    # backward on that tensor; on a view an in-place op would drop the hook (torch warns at every
+    # step). [..., 1 or 2] floats per token: small beside the logits never kept
+    return out.reshape(*targets.shape, out.shape[-1]).clone()
 
 
 def _chunk_logprobs(hidden, targets, weight, bias, temperature, with_entropy, entropy_grad):
