@@ -226,6 +226,9 @@ def dynamic_args(prompt_file: Path, *extra: object) -> list[str]:
         "--num-threads", "1",
         "--dynamic-sampling-filter-path", MILES_NONZERO_STD,
         "--over-sampling-batch-size", "6",
+        # REINFORCE++ with its group-mean baseline (composition row 12: the family's only row
+        # beside row 15)
+        "--advantage-estimator", "reinforce_plus_plus_baseline", "--normalize-advantages",
         *extra,
     ]  # fmt: skip
 

@@ -35,6 +35,8 @@ ARGS = [
     "--generate-tool-call-parser", "odd_digit",
     "--generate-max-turns", "3",
     "--tool-timeout", "1",
+    # REINFORCE++ (token-level returns; composition row 15)
+    "--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages",
 ]  # fmt: skip
 CHAIN = [
     Kill.at("tool_running", 2),  # rollout 0, while its tools run
