@@ -68,6 +68,11 @@ class EngineConfig:
     vllm_start_timeout: float = option(
         600.0, "seconds the launched vLLM server may take to become healthy"
     )
+    colocate: bool = option(
+        False,
+        "with --rollout-engine vllm: run vLLM's LLM class inside the trainer's process and "
+        "hand it every weight update in memory, instead of launching a server (docs/engines.md)",
+    )
     vllm_restarts: int = option(
         1,
         "times a launched vLLM server that died or stopped answering during a rollout is "
@@ -76,6 +81,12 @@ class EngineConfig:
 
     def note(self) -> str | None:
         """A line for the plan when the run gives up something the user should know."""
+        if self.colocate:
+            return (
+                "--colocate: vLLM runs in this process (loaded once from the trainer's weights "
+                "written to the disk, then every update in memory); vLLM's sleep mode is not "
+                "used, so its weights and KV cache stay allocated while training runs"
+            )
         if self.allow_nondeterministic_rollout and self.rollout_engine == "sglang":
             return (
                 "--allow-nondeterministic-rollout: SGLang servers that ignore sampling_seed are "
@@ -94,6 +105,11 @@ class EngineConfig:
             raise UserError(
                 "--rollout-engine sglang needs --rollout-url (start servers with "
                 "`python -m sglang.launch_server` or `mileage serve`)"
+            )
+        if self.colocate and (self.rollout_engine != "vllm" or self.rollout_url):
+            raise UserError(
+                "--colocate runs vLLM inside this process: it needs --rollout-engine vllm and "
+                "no --rollout-url (a running server is another process)"
             )
         for flag, value in (
             ("--rollout-timeout", self.rollout_timeout),

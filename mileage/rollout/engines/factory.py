@@ -34,8 +34,11 @@ def build_engine(
             buffer_size=cfg.update_weight_buffer_size,
             log=log,
         )
+    dtype = torch_dtype_name(precision_of(model))
+    if cfg.colocate:
+        from mileage.rollout.engines.colocated import ColocatedVLLM
+
+        return ColocatedVLLM(cfg, vocab, eos_id, config_dir, log, dtype)
     from mileage.rollout.engines.vllm import VLLMEngine
 
-    return VLLMEngine(
-        cfg, vocab, eos_id, config_dir, log, dtype=torch_dtype_name(precision_of(model))
-    )
+    return VLLMEngine(cfg, vocab, eos_id, config_dir, log, dtype=dtype)

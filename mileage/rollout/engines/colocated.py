@@ -1,0 +1,187 @@
+"""`--rollout-engine vllm --colocate`: vLLM's own `LLM` class inside the trainer's process.
+
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the trainer's
+tensors reach vLLM's in-place reloader without a copy through a file or a socket: every sync
+hands the worker's `reload_weights(weights_iterator=...)` one iterator over the state dict, each
+tensor cast to the engine's dtype as it is consumed (one cast tensor alive at a time). One call
+per sync, not one per bucket: the reloader puts back, from the checkpoint it first loaded, the
+weights of a layer that a call did not carry, so buckets that split a layer would sample from
+mixed weights (measured, docs/engines.md). The model is loaded once from a directory written
+with an untied LM head (vLLM 0.32's reloader does not reload a tied head, `untie_on_disk`).
+
+Rows are sampled with per-row seeds, the same `seed` field the launched server gets, so a row's
+sample depends on nothing batched with it and a resumed run draws the same samples.
+
+Under torchrun rank 0 holds the engine and takes the weights the torchrun wrapper writes from
+the gathered shards (`load_weights_from`: the reloader reads the directory): one engine, as one
+launched server, because every rank's copy of vLLM would hold the whole model and KV cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from mileage.errors import UserError
+from mileage.faults import fault_point
+from mileage.rollout.engine import Completion, SamplingParams
+from mileage.rollout.engines.base import RowSeeds, SamplingSeed, check_sample
+from mileage.rollout.engines.config import EngineConfig
+from mileage.rollout.engines.http import BadReply
+from mileage.rollout.engines.vllm import NEUTRAL_SAMPLING, untie_on_disk
+from mileage.rollout.engines.weights import DiskWeights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def import_vllm():
+    """vLLM with its engine core in this process, or one line saying how to get it."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the reloader must see our tensors
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt
+    except Exception as exc:  # ImportError, or a vLLM that fails on this torch
+        raise UserError(
+            f"--colocate runs vLLM inside this process, and `import vllm` fails here "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc}); install "
+            "vLLM beside mileage (docs/engines.md, 'vLLM in the trainer's process'), or drop "
+            "--colocate to launch a vLLM server from --vllm-python"
+        ) from None
+    return vllm, TokensPrompt
+
+
+@contextlib.contextmanager
+def kept_rng() -> Iterator[None]:
+    """The process's random states as they were before: vLLM seeds Python's, NumPy's and
+    torch's global generators when it starts (`seed=0`) and may draw from them, and those
+    states belong to the trainer (its checkpoints save them; a resumed run restores them)."""
+    import numpy as np  # vLLM's dependency, so present wherever this engine runs
+
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
+def engine_tensors(
+    model: torch.nn.Module, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's HF-named tensors for vLLM, cast one at a time, with an LM head of its own
+    (the engine was loaded untied)."""
+    state = model.state_dict()
+    head = model.get_output_embeddings()
+    if "lm_head.weight" not in state and head is not None:
+        state["lm_head.weight"] = head.weight
+    for index, (name, tensor) in enumerate(state.items()):
+        if index == len(state) // 2:
+            fault_point("mid_weight_sync")  # half the tensors handed over
+        yield name, tensor.detach().to(dtype)
+
+
+class ColocatedVLLM:
+    in_process = False  # log-probs come from vLLM's kernels: the trainer recomputes them
+    needs_untied_head = True  # directories written for it under torchrun carry their own head
+
+    def __init__(
+        self, cfg: EngineConfig, vocab_size: int, eos_id: int, model_dir: str, log, dtype: str
+    ):
+        self.vllm, self.tokens_prompt = import_vllm()
+        self.cfg, self.model_dir, self.log = cfg, model_dir, log
+        self.dtype = dtype
+        self.vocab_size, self.eos_id = vocab_size, eos_id
+        self.llm = None  # built at the first sync, from the trainer's weights
+        self.weights = DiskWeights(cfg.rollout_weights_dir)
+        self.weight_version = -1
+
+    def _start(self, path: Path) -> None:
+        try:
+            with kept_rng():
+                self.llm = self.vllm.LLM(
+                    model=str(path),
+                    tokenizer=self.model_dir,
+                    dtype=self.dtype,
+                    seed=0,
+                    enforce_eager=True,
+                    enable_prefix_caching=False,  # cached prefixes would outlive an update
+                )
+        except Exception as exc:
+            raise UserError(
+                f"--colocate: vLLM could not load the model ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
+        self.log(
+            f"colocated vLLM {self.vllm.__version__} in this process ({self.dtype}); every "
+            "weight update is handed over in memory"
+        )
+
+    def update_weights(self, model: torch.nn.Module, version: int) -> None:
+        if self.llm is None:  # loaded once from the disk, with its own LM head
+            path = self.weights.write(model)
+            untie_on_disk(model, path)
+            self._start(path)
+        else:
+            tensors = engine_tensors(model, DTYPES[self.dtype])
+            with kept_rng():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        self.weight_version = version
+
+    def load_weights_from(self, path: Path, version: int) -> None:
+        """Under torchrun: the directory rank 0 wrote from the gathered shards."""
+        if self.llm is None:
+            self._start(path)
+        else:
+            with kept_rng():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        self.weight_version = version
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed: SamplingSeed | RowSeeds | None = None,
+        group_size: int = 1,
+    ) -> list[Completion]:
+        if self.llm is None:
+            raise RuntimeError("ColocatedVLLM.generate before the first update_weights")
+        rows = [
+            self.vllm.SamplingParams(
+                max_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                logprobs=0,
+                seed=None if seed is None else seed.row_seed(row),
+                **NEUTRAL_SAMPLING,
+            )
+            for row in range(len(prompts))
+        ]
+        inputs = [self.tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
+        with kept_rng():
+            outputs = self.llm.generate(inputs, rows, use_tqdm=False)
+        completions = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            sample = out.outputs[0]
+            tokens = list(sample.token_ids)
+            logprobs = [float(d[t].logprob) for d, t in zip(sample.logprobs, tokens, strict=True)]
+            try:
+                check_sample(
+                    tokens, logprobs, sample.finish_reason, params.max_new_tokens, self.vocab_size
+                )
+            except BadReply as exc:  # in this process there is no other server to retry on
+                raise UserError(f"--colocate: vLLM returned an unusable sample ({exc})") from None
+            finished = sample.finish_reason == "stop" and tokens[-1] == self.eos_id
+            completions.append(
+                Completion(list(prompt), tokens, logprobs, finished, self.weight_version)
+            )
+        return completions
+
+    def close(self) -> None:
+        self.llm = None
+        self.weights.close()

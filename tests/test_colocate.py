@@ -1,0 +1,93 @@
+"""`--rollout-engine vllm --colocate`: vLLM's `LLM` class in the trainer's process, every weight
+update handed over in memory. CI has no vLLM, so these runs use `tests/fake_vllm_inproc` (the
+calls mileage makes, answered by mileage's own engine; like vLLM it reseeds and draws from the
+process's global generators). The real vLLM 0.32 run equals a disk-synced vLLM server run in
+every tensor (docs/engines.md: measured, not run by CI).
+
+It shows: a colocated run samples with the trainer's weights at every rollout (the engine's
+log-probs within 1e-5 of the trainer's recompute; in memory after the first load), and killed
+mid-sync (half the tensors handed over), after a rollout generated and inside a save, it
+resumes to the uninterrupted run's tensors; bad setups stop in one line with exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO, assert_learned
+
+from mileage.testing.compare import compare_runs
+from mileage.testing.crash import launch, outcome_table, run_uninterrupted, run_with_kills
+from mileage.testing.kills import Kill
+
+FAKE = Path(__file__).with_name("fake_vllm_inproc")
+ARGS = [
+    "--num-rollout", "4",
+    "--rollout-batch-size", "8",
+    "--n-samples-per-prompt", "4",
+    "--global-batch-size", "16",
+    "--rollout-shuffle",
+    "--eval-interval", "0",
+    "--num-threads", "1",
+    "--precision", "fp32",
+    "--rollout-engine", "vllm",
+    "--colocate",
+]  # fmt: skip
+
+
+def env_for(reloads: Path) -> dict[str, str]:
+    """The fake vLLM first on the path; the engine's loads and reloads logged to `reloads`."""
+    return {"PYTHONPATH": f"{FAKE}:{REPO}", "FAKE_VLLM_RELOADS": str(reloads)}
+
+
+@pytest.mark.slow
+def test_a_colocated_run_syncs_in_memory_and_killed_anywhere_lands_on_the_uninterrupted_run(
+    builtin_model, tmp_path
+):
+    reference = tmp_path / "reference"
+    done = run_uninterrupted(ARGS, reference, env=env_for(tmp_path / "ref_reloads.txt"))
+    assert_learned(reference, builtin_model)
+    assert "colocated vLLM 0.32.0+fake in this process (float32)" in done.stdout
+    assert "--colocate: vLLM runs in this process" in done.stdout  # the plan says so
+    reloads = (tmp_path / "ref_reloads.txt").read_text().splitlines()
+    # loaded once from the disk, then every update in memory, all tensors (the untied head too)
+    assert reloads[0].startswith("start ") and len(reloads) == 5, reloads
+    assert len({line for line in reloads[1:]}) == 1 and reloads[1].startswith("memory ")
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    # the engine sampled with the trainer's weights at every rollout
+    assert all(0 <= r["logprob_abs_diff"] < 1e-5 for r in records), records
+
+    chain = [
+        Kill.at("mid_weight_sync", 2),  # half of rollout 0's update handed to the engine
+        Kill.at("after_generate", 2),  # rollout 1 generated, not trained
+        Kill.at("save_after_model", 2),  # inside rollout 1's save
+    ]
+    save = tmp_path / "run"
+    outcomes = run_with_kills(ARGS, save, chain, env=env_for(tmp_path / "run_reloads.txt"))
+    table = outcome_table(outcomes)
+    assert [o.status for o in outcomes] == ["killed"] * len(chain), table
+    assert all(o.resumed and not o.problems for o in outcomes), table
+    assert compare_runs(reference, save) == [], table
+
+
+@pytest.mark.parametrize(
+    "extra, env, says",
+    [
+        (["--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9"], {},
+         "--colocate runs vLLM inside this process: it needs --rollout-engine vllm"),
+        (["--rollout-url", "http://127.0.0.1:9"], {}, "and no --rollout-url"),
+        ([], {"PYTHONPATH": str(REPO)}, "`import vllm` fails here"),
+        ([], {"FAKE_VLLM_FAIL": "load"}, "--colocate: vLLM could not load the model"),
+    ],
+)  # fmt: skip
+def test_a_colocated_setup_that_cannot_work_stops_in_one_line(
+    builtin_model, tmp_path, extra, env, says
+):
+    args = [*ARGS[:-3], "--num-rollout", "1", "--rollout-engine", "vllm", "--colocate", *extra]
+    done = launch(args, tmp_path / "run", env={**env_for(tmp_path / "reloads.txt"), **env})
+    assert done.returncode == 2, done.tail()
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr and says in lines[-1], done.stderr
+    assert not (tmp_path / "run" / "latest_checkpointed_iteration.txt").exists()
