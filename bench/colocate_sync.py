@@ -78,8 +78,7 @@ def sample(llm, prompt: list[int]) -> list[tuple[tuple[int, ...], tuple[float, .
     from vllm.inputs import TokensPrompt
 
     params = [
-        SamplingParams(max_tokens=16, temperature=1.0, seed=1000 + i, logprobs=0)
-        for i in range(8)
+        SamplingParams(max_tokens=16, temperature=1.0, seed=1000 + i, logprobs=0) for i in range(8)
     ]
     outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * 8, params, use_tqdm=False)
     return [

@@ -2460,6 +2460,30 @@ MUTANTS = [
             "test_checkpoints_move_between_offloaded_and_resident_shards_bit_for_bit",
         ),
     ),
+    Mutant(
+        "colocate-sync-skips-last-tensor",
+        "--colocate hands the engine every tensor but the last (the untied LM head): the engine "
+        "samples with a stale head",
+        "mileage/rollout/engines/colocated.py",
+        "        yield name, tensor.detach().to(dtype)\n",
+        "        if index < len(state) - 1:\n            yield name, tensor.detach().to(dtype)\n",
+        (
+            "tests/test_colocate.py::"
+            "test_a_colocated_run_syncs_in_memory_and_killed_anywhere_lands_on_the_uninterrupted_run",
+        ),
+    ),
+    Mutant(
+        "colocate-engine-reseeds-the-trainer",
+        "vLLM's start (seed=0) reseeds the trainer's global generators: a resumed run's random "
+        "state is no longer the one its checkpoint restored",
+        "mileage/rollout/engines/colocated.py",
+        "            with kept_rng():\n                self.llm = self.vllm.LLM(",
+        "            with contextlib.nullcontext():\n                self.llm = self.vllm.LLM(",
+        (
+            "tests/test_colocate.py::"
+            "test_a_colocated_run_syncs_in_memory_and_killed_anywhere_lands_on_the_uninterrupted_run",
+        ),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
