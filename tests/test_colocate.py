@@ -91,3 +91,47 @@ def test_a_colocated_setup_that_cannot_work_stops_in_one_line(
     lines = done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and says in lines[-1], done.stderr
     assert not (tmp_path / "run" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_the_engine_leaves_the_trainer_s_random_states_alone(builtin_model, monkeypatch):
+    """vLLM seeds Python's, NumPy's and torch's global generators when it starts and draws from
+    them as it samples; those states are the trainer's (its dropout, its checkpoints), so the
+    engine puts them back: a run's randomness stays a function of --seed."""
+    import random
+    import sys
+
+    import numpy as np
+    import torch
+
+    from mileage.models.hf import load_causal_lm, load_tokenizer
+    from mileage.rollout.engine import SamplingParams
+    from mileage.rollout.engines.base import RowSeeds
+    from mileage.rollout.engines.colocated import ColocatedVLLM
+    from mileage.rollout.engines.config import EngineConfig
+
+    monkeypatch.syspath_prepend(str(FAKE))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine sets it to 0
+    for name in ("vllm", "vllm.inputs"):  # the fake, imported here, is forgotten afterwards
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    model, tokenizer = load_causal_lm(builtin_model), load_tokenizer(builtin_model)
+    cfg = EngineConfig(rollout_engine="vllm", colocate=True)
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np.random.seed(1234)
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    engine = ColocatedVLLM(
+        cfg, model.config.vocab_size, tokenizer.eos_token_id, str(builtin_model), print, "float32"
+    )
+    try:
+        engine.update_weights(model, 0)  # starts the engine
+        params = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0)
+        out = engine.generate([[1, 2, 3]] * 2, params, RowSeeds((7, 8)))
+        engine.update_weights(model, 1)  # in memory
+    finally:
+        engine.close()
+        for name in ("vllm", "vllm.inputs"):
+            sys.modules.pop(name, None)
+    assert all(c.response_ids and c.weight_version == 0 for c in out)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert (np.random.get_state()[1] == before[2]).all()
