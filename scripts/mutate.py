@@ -2474,8 +2474,8 @@ MUTANTS = [
     ),
     Mutant(
         "colocate-engine-reseeds-the-trainer",
-        "vLLM's start (seed=0) reseeds the trainer's global generators: a resumed run's random "
-        "state is no longer the one its checkpoint restored",
+        "vLLM's start (seed=0) reseeds the trainer's global generators: the run's random "
+        "stream no longer follows --seed",
         "mileage/rollout/engines/colocated.py",
         "            with kept_rng():\n                self.llm = self.vllm.LLM(",
         "            with contextlib.nullcontext():\n                self.llm = self.vllm.LLM(",

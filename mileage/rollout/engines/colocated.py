@@ -117,10 +117,7 @@ class ColocatedVLLM:
                 f"--colocate: vLLM could not load the model ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''})"
             ) from None
-        self.log(
-            f"colocated vLLM {self.vllm.__version__} in this process ({self.dtype}); every "
-            "weight update is handed over in memory"
-        )
+        self.log(f"colocated vLLM {self.vllm.__version__} in this process ({self.dtype})")
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         if self.llm is None:  # loaded once from the disk, with its own LM head

@@ -83,9 +83,11 @@ class EngineConfig:
         """A line for the plan when the run gives up something the user should know."""
         if self.colocate:
             return (
-                "--colocate: vLLM runs in this process (loaded once from the trainer's weights "
-                "written to the disk, then every update in memory); vLLM's sleep mode is not "
-                "used, so its weights and KV cache stay allocated while training runs"
+                "--colocate: vLLM runs in this process (rank 0's under torchrun), loaded once "
+                "from the trainer's weights written to the disk, then every update in memory "
+                "(under torchrun: reloaded from the directory written from the gathered shards); "
+                "vLLM's sleep mode is not used, so its weights and KV cache stay allocated while "
+                "training runs"
             )
         if self.allow_nondeterministic_rollout and self.rollout_engine == "sglang":
             return (
