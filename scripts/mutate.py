@@ -1712,8 +1712,8 @@ MUTANTS = [
         "vllm-dtype-not-the-trainers",
         "a launched vLLM gets --dtype float32 whatever the trainer's precision",
         "mileage/rollout/engines/factory.py",
-        "log, dtype=torch_dtype_name(precision_of(model))",
-        "log",
+        "    dtype = torch_dtype_name(precision_of(model))\n",
+        '    dtype = "float32"\n',
         (f"{VLLM}::test_a_launched_server_gets_the_trainers_precision_as_dtype",),
     ),
     Mutant(
