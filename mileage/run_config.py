@@ -396,6 +396,14 @@ class RunConfig:
                 "--load-debug-rollout-data replays saved rollouts and has no engine to generate "
                 "ahead with; replay with `mileage train`"
             )
+        if self.engine.colocate:
+            raise UserError(
+                "--colocate runs vLLM in this process, and vLLM seeds and draws from the "
+                "process-wide random generators the trainer draws from; train-async generates "
+                "in a background thread while training runs, so their draws would interleave in "
+                "an order no checkpoint can replay: drop --colocate (train-async launches a vLLM "
+                "server), or colocate with `mileage train`"
+            )
         if self.multiturn.rollout_function_path:
             raise UserError(
                 "--rollout-function-path draws its own prompts and generates them when the "

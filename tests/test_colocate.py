@@ -73,20 +73,23 @@ def test_a_colocated_run_syncs_in_memory_and_killed_anywhere_lands_on_the_uninte
 
 
 @pytest.mark.parametrize(
-    "extra, env, says",
+    "extra, env, says, subcommand",
     [
         (["--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9"], {},
-         "--colocate runs vLLM inside this process: it needs --rollout-engine vllm"),
-        (["--rollout-url", "http://127.0.0.1:9"], {}, "and no --rollout-url"),
-        ([], {"PYTHONPATH": str(REPO)}, "`import vllm` fails here"),
-        ([], {"FAKE_VLLM_FAIL": "load"}, "--colocate: vLLM could not load the model"),
+         "--colocate runs vLLM inside this process: it needs --rollout-engine vllm", "train"),
+        (["--rollout-url", "http://127.0.0.1:9"], {}, "and no --rollout-url", "train"),
+        ([], {"PYTHONPATH": str(REPO)}, "`import vllm` fails here", "train"),
+        ([], {"FAKE_VLLM_FAIL": "load"}, "--colocate: vLLM could not load the model", "train"),
+        ([], {}, "so their draws would interleave in an order no checkpoint can replay",
+         "train-async"),
     ],
 )  # fmt: skip
 def test_a_colocated_setup_that_cannot_work_stops_in_one_line(
-    builtin_model, tmp_path, extra, env, says
+    builtin_model, tmp_path, extra, env, says, subcommand
 ):
     args = [*ARGS[:-3], "--num-rollout", "1", "--rollout-engine", "vllm", "--colocate", *extra]
-    done = launch(args, tmp_path / "run", env={**env_for(tmp_path / "reloads.txt"), **env})
+    env = {**env_for(tmp_path / "reloads.txt"), **env}
+    done = launch(args, tmp_path / "run", env=env, subcommand=subcommand)
     assert done.returncode == 2, done.tail()
     lines = done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and says in lines[-1], done.stderr

@@ -63,7 +63,8 @@ def kept_rng() -> Iterator[None]:
     import numpy as np  # vLLM's dependency, so present wherever this engine runs
 
     py, npy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
@@ -94,8 +95,7 @@ class ColocatedVLLM:
         self, cfg: EngineConfig, vocab_size: int, eos_id: int, model_dir: str, log, dtype: str
     ):
         self.vllm, self.tokens_prompt = import_vllm()
-        self.cfg, self.model_dir, self.log = cfg, model_dir, log
-        self.dtype = dtype
+        self.model_dir, self.log, self.dtype = model_dir, log, dtype
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.llm = None  # built at the first sync, from the trainer's weights
         self.weights = DiskWeights(cfg.rollout_weights_dir)
