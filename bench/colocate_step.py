@@ -18,21 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from _common import cpu_description
+
 KEYS = ("step_time", "gen_time", "sync_time", "train_time")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def prompts(path: Path, count: int = 64) -> None:
@@ -94,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         text=True,
     ).stdout.strip()
     result = {
-        "cpu": cpu_name(),
+        "cpu": cpu_description(),
         "commit": head,
         "vllm": vllm.__version__,
         "model": args.hf,

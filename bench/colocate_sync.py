@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,13 +41,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+from _common import cpu_description  # noqa: E402
 
 
 def commit() -> str:
@@ -162,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     disk.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
-        "cpu": cpu_name(),
+        "cpu": cpu_description(),
         "commit": commit(),
         "vllm": vllm.__version__,
         "transformers": transformers.__version__,
