@@ -24,7 +24,7 @@ from mileage.checkpoint.layout import checkpoint_path, read_tracker
 from mileage.rollout.dynamic import MILES_NONZERO_STD
 from mileage.testing.compare import LEFTOVER_DIFF, compare_runs
 from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
-from mileage.testing.kills import Kill, ppo_crash_run_args
+from mileage.testing.kills import PPO_CRITIC_ARGS, Kill
 from mileage.testing.servers import start_servers
 
 pytestmark = pytest.mark.slow
@@ -40,9 +40,7 @@ SMALL = [
     "--num-threads", "1",
 ]  # fmt: skip
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--target-modules", "all-linear"]
-# the critic flags of the crash harness's PPO run (GAE, normalised advantages, a critic-only
-# rollout first), without its batch sizes
-PPO = ppo_crash_run_args()[ppo_crash_run_args().index("--advantage-estimator") :]
+PPO = PPO_CRITIC_ARGS  # the crash harness's critic flags, without its batch sizes
 TOOLS = [
     "--generate-tool-call-parser", "odd_digit",
     "--generate-max-turns", "3",

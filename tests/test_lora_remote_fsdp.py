@@ -24,7 +24,7 @@ from mileage.checkpoint.tensors import MODEL_DIR, load_tensors
 from mileage.metrics import TIMING_KEYS, read_metrics
 from mileage.testing.compare import compare_runs
 from mileage.testing.crash import outcome_table, run_uninterrupted, run_with_kills
-from mileage.testing.kills import Kill, ppo_crash_run_args
+from mileage.testing.kills import PPO_CRITIC_ARGS, Kill
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ ARGS = [
     # a user's rollout function (it filters groups and draws further prompts; rank 0 runs it)
     # and a critic (PPO with GAE, a critic-only rollout first): composition row 26
     "--rollout-function-path", f"{Path(__file__).with_name('user_rollout.py')}:rollout",
-    *ppo_crash_run_args()[ppo_crash_run_args().index("--advantage-estimator") :],
+    *PPO_CRITIC_ARGS,
 ]  # fmt: skip
 
 

@@ -89,17 +89,20 @@ def crash_run_args(num_rollout: int = 6, async_save: bool = False) -> list[str]:
     return [*args, "--async-save"] if async_save else args
 
 
+# PPO with GAE, normalised advantages, its own critic LR and one critic-only rollout first
+# (state the critic's resume has to get exactly right)
+PPO_CRITIC_ARGS = [
+    "--advantage-estimator", "ppo",
+    "--normalize-advantages",
+    "--lambd", "0.95",
+    "--critic-lr", "3e-4",
+    "--num-critic-only-steps", "1",
+]  # fmt: skip
+
+
 def ppo_crash_run_args(num_rollout: int = 4) -> list[str]:
-    """The crash run with a critic: PPO with GAE, normalised advantages, its own critic LR and
-    one critic-only rollout first (state the critic's resume has to get exactly right)."""
-    return [
-        *crash_run_args(num_rollout),
-        "--advantage-estimator", "ppo",
-        "--normalize-advantages",
-        "--lambd", "0.95",
-        "--critic-lr", "3e-4",
-        "--num-critic-only-steps", "1",
-    ]  # fmt: skip
+    """The crash run with a critic (`PPO_CRITIC_ARGS`)."""
+    return [*crash_run_args(num_rollout), *PPO_CRITIC_ARGS]
 
 
 _PLAN_RE = re.compile(
