@@ -404,13 +404,6 @@ class RunConfig:
                 "an order no checkpoint can replay: drop --colocate (train-async launches a vLLM "
                 "server), or colocate with `mileage train`"
             )
-        if self.multiturn.rollout_function_path:
-            raise UserError(
-                "--rollout-function-path draws its own prompts and generates them when the "
-                "rollout starts; train-async draws each slot's prompts ahead, in submission order, "
-                "and generates them in the background: use --custom-generate-function-path (one "
-                "sample at a time, tools included), which train-async runs"
-            )
         dynamic = self.dynamic
         if dynamic.partial_rollout:
             raise UserError(

@@ -2481,6 +2481,29 @@ MUTANTS = [
         "            with contextlib.nullcontext():\n                self.llm = self.vllm.LLM(",
         ("tests/test_colocate.py::test_the_engine_leaves_the_trainer_s_random_states_alone",),
     ),
+    Mutant(
+        "ahead-rollout-functions-draw-at-once",
+        "train-async runs the user's rollout function of a slot without waiting for the slot "
+        "before it: two slots draw from the data at once, in an order set by timing",
+        "mileage/sources/ahead.py",
+        "        if previous is not None:\n            wait([previous])\n",
+        "        if previous is not None and previous.done():\n            wait([previous])\n",
+        (
+            "tests/test_async.py::"
+            "test_a_rollout_function_s_slots_draw_one_after_another_retries_first",
+        ),
+    ),
+    Mutant(
+        "ahead-rollout-function-loses-unused-retries",
+        "train-async drops the retried prompts a slot's rollout function did not draw",
+        "mileage/sources/ahead.py",
+        "            self.buffer.retry = result.unused_retries + self.buffer.retry\n",
+        "            pass\n",
+        (
+            "tests/test_async.py::"
+            "test_a_rollout_function_s_slots_draw_one_after_another_retries_first",
+        ),
+    ),
 ]
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)

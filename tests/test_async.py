@@ -139,7 +139,6 @@ BAD = [
         ["--buffer-filter-path", "f.py:f", "--dynamic-sampling-filter-path", "f.py:g"],
         "in submission order",
     ),
-    (["--rollout-function-path", "f.py:f"], "train-async draws each slot's prompts ahead"),
 ]
 
 
@@ -269,3 +268,47 @@ def test_keep_old_actor_recomputes_each_row_with_the_weights_that_generated_it(t
     assert torch.allclose(batch.tis_weights, tis, atol=1e-6)
     diff = float(((got - engine_lp).abs() * batch.loss_mask).sum() / batch.loss_mask.sum())
     assert stats["logprob_abs_diff"] == pytest.approx(diff)
+
+
+def test_a_rollout_function_s_slots_draw_one_after_another_retries_first():
+    """train-async runs --rollout-function-path in the generation threads: with two of them,
+    slot 1's function (fast) still draws after slot 0's (slow) has drawn all it wanted, the
+    slot's retried prompts come first, unused ones go back, and the data position after the
+    last slot collected is the run's."""
+    import time
+    from types import SimpleNamespace
+
+    from mileage.rollout.data import PromptSource
+    from mileage.sources.ahead import Producer
+
+    prompts = [Prompt(i, f"p{i}", "1") for i in range(40)]
+    drawn: list[tuple[int, list[int]]] = []
+    plan = {0: (2, 2), 1: (3, 0), 2: (0, 0)}  # slot: prompts drawn before and after a pause
+
+    def run_rollout(engine, slot, data_source, generate):
+        before, after = plan[slot]
+        got = data_source.next_batch(before)
+        time.sleep(0.3 if slot == 0 else 0.0)  # slot 1 would draw first if not chained
+        got += data_source.next_batch(after)
+        drawn.append((slot, [p.index for p in got]))
+        return [sample(p.index, 0) for p in (got or [prompts[39]])[:2]]
+
+    agent = SimpleNamespace(user=SimpleNamespace(rollout=run_rollout), run_rollout=run_rollout)
+    data = PromptSource(prompts, shuffle=False, seed=0)
+    rollout = SimpleNamespace(rollout_batch_size=2, save_debug_rollout_data=None,
+                              n_samples_per_prompt=1)  # fmt: skip
+    run = SimpleNamespace(engine=object(), agent=agent, data=data,
+                          cfg=SimpleNamespace(rollout=rollout), group_filter=None)  # fmt: skip
+    buffer = RolloutBuffer()
+    buffer.retry = prompts[30:35]
+    producer = Producer(run, buffer, workers=3)
+    try:
+        for _ in plan:  # slot 0 takes retries 30, 31; slot 1 32, 33; slot 2 34
+            producer.submit(0)
+        producer.drain()
+    finally:
+        producer.close()
+    assert sorted(drawn) == [(0, [30, 31, 0, 1]), (1, [32, 33, 2]), (2, [])]
+    assert buffer.retry == [prompts[34]]  # slot 2 drew nothing: its retry waits for the next
+    assert data.state_dict()["offset"] == 3
+    assert [g.prompt.index for g in buffer.groups] == [30, 31, 32, 33, 39]

@@ -68,17 +68,33 @@ def assert_lands_on(reference: Path, save: Path, outcomes, leftovers: bool = Fal
     assert diffs == [], table
 
 
-def test_a_user_rollout_function_killed_anywhere_lands_on_the_uninterrupted_run(
-    builtin_model, tmp_path
+# row 45: the function under both schedules of train-async (`train` runs it in row 26)
+USER_ROLLOUT_DRIVERS = {
+    # slot N+1 made by the function in the generation thread while rollout N trains
+    "one-step-off": [],
+    # slots one weight version ahead; stale groups' prompts handed back to the function first
+    "fully-async": [
+        "--fully-async",
+        "--max-weight-staleness", "1",
+        "--update-weights-interval", "2",
+        "--async-unused-samples-handler", "retry",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", sorted(USER_ROLLOUT_DRIVERS))
+def test_a_user_rollout_function_ahead_killed_anywhere_lands_on_the_uninterrupted_run(
+    schedule, builtin_model, tmp_path
 ):
     args = [
         *SMALL,
         "--num-rollout", "4",
         "--rollout-batch-size", "8",
         "--rollout-function-path", f"{HERE / 'user_rollout.py'}:rollout",
+        *USER_ROLLOUT_DRIVERS[schedule],
     ]  # fmt: skip
     reference = tmp_path / "reference"
-    run_uninterrupted(args, reference)
+    run_uninterrupted(args, reference, subcommand="train-async")
     state = json.loads(
         (
             checkpoint_path(reference, read_tracker(reference).iteration) / "trainer_state.json"
@@ -87,12 +103,13 @@ def test_a_user_rollout_function_killed_anywhere_lands_on_the_uninterrupted_run(
     # the function drew past the 8 prompts a rollout: the data position is its own
     assert state["data"]["offset"] > 8 * 4, state["data"]
     chain = [
-        Kill.at("after_generate", 2),  # rollout 1's samples returned, the data moved, unsaved
+        Kill.at("async_generating", 2),  # inside the function's slot, in the thread
         Kill.at("commit_before_tracker", 2),
-        Kill.at("optimizer_step", 6),
+        Kill.at("after_generate", 2),  # a slot returned, the data moved, nothing saved
+        Kill.at("optimizer_step", 2),
     ]
     save = tmp_path / "run"
-    assert_lands_on(reference, save, run_with_kills(args, save, chain))
+    assert_lands_on(reference, save, run_with_kills(args, save, chain, subcommand="train-async"))
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import replace
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field, replace
 
 from mileage.checkpoint.plan import RESUME
 from mileage.checkpoint.registry import DATA
@@ -110,6 +110,34 @@ class AheadSource:
             self.producer.close()
 
 
+@dataclass
+class SlotResult:
+    """A generated slot: its samples, the generation thread's seconds on it and, when the
+    user's rollout function drew its prompts, the data position after it and the retried
+    prompts it left."""
+
+    samples: list
+    seconds: float
+    position: dict | None = None
+    unused_retries: list = field(default_factory=list)
+
+
+class RetriesFirst:
+    """The data source a slot's rollout function draws from: the slot's retried prompts first
+    (stale groups' prompts, drawn for it in submission order), then the run's data."""
+
+    def __init__(self, retries: list, data):
+        self.retries = list(retries)
+        self.data = data
+
+    def next_batch(self, size: int) -> list:
+        head, self.retries = self.retries[:size], self.retries[size:]
+        return head + (self.data.next_batch(size - len(head)) if size > len(head) else [])
+
+    def __getattr__(self, name: str):
+        return getattr(self.data, name)
+
+
 class Producer:
     """Generates slots in a background thread; results are collected in submission order."""
 
@@ -122,35 +150,63 @@ class Producer:
         # slot -> (seconds the generation thread spent on it, its response tokens): the
         # throughput of a rollout is the generator's, not tokens over the trainer's wait
         self.slot_time: dict[int, tuple[float, int]] = {}
+        self.user_rollout = run.agent is not None and run.agent.user.rollout is not None
+        self.last_drawing: Future | None = None  # the last slot the rollout function makes
 
     def submit(self, policy_rollouts: int) -> None:
         """The next slot, generated with the engine's current weights (`policy_rollouts`)."""
         run, size = self.run, self.run.cfg.rollout.rollout_batch_size
-        prompts = self.buffer.draw_retries(size)
-        prompts += run.data.next_batch(size - len(prompts))  # drawn here, in order
+        retries = self.buffer.draw_retries(size)  # stale groups' prompts, before new data
         slot = self.buffer.next_slot
         self.buffer.next_slot += 1
-        self.pending.append(
-            (slot, policy_rollouts, self.background.submit(self._generate, slot, prompts))
-        )
+        if self.user_rollout:
+            # the function draws in the generation thread, so the slots run one after another
+            # in submission order, each from where the one before left the data
+            job = self.background.submit(self._user_rollout, slot, retries, self.last_drawing)
+            self.last_drawing = job
+        else:
+            prompts = retries + run.data.next_batch(size - len(retries))  # drawn here, in order
+            job = self.background.submit(self._generate, slot, prompts)
+        self.pending.append((slot, policy_rollouts, job))
 
-    def _generate(self, engine, slot: int, prompts) -> tuple[list, float]:
+    def _generate(self, engine, slot: int, prompts) -> SlotResult:
         """The slot's samples and the seconds this thread spent generating them."""
         fault_point("async_generating")  # in the thread, while the trainer trains
         began = time.perf_counter()
-        rc = self.run.cfg.rollout
-        samples = generate_samples(
+        samples = self._samples(engine, slot, prompts)
+        return SlotResult(samples, time.perf_counter() - began)
+
+    def _samples(self, engine, slot: int, prompts) -> list:
+        """`prompts`' scored groups, seeded by `slot` (the run's own generation)."""
+        run = self.run
+        return generate_samples(
             engine,
-            self.run.encode,
+            run.encode,
             prompts,
-            self.run.sampling,
-            rc.n_samples_per_prompt,
-            self.run.reward_fn,
-            self.run.cfg.loop.seed,
+            run.sampling,
+            run.cfg.rollout.n_samples_per_prompt,
+            run.reward_fn,
+            run.cfg.loop.seed,
             slot,
-            self.run.agent,
+            run.agent,
         )
-        return samples, time.perf_counter() - began
+
+    def _user_rollout(self, engine, slot: int, retries: list, previous: Future | None):
+        """--rollout-function-path: the user's function makes the slot, drawing its prompts
+        (the slot's retried ones first) after the slot before it has drawn all of its own; the
+        data position it leaves travels with the samples."""
+        if previous is not None:
+            wait([previous])
+            if previous.cancelled() or previous.exception() is not None:
+                return None  # the run stops at that slot, which is collected first
+        fault_point("async_generating")
+        began = time.perf_counter()
+        data = RetriesFirst(retries, self.run.data)
+        samples = self.run.agent.run_rollout(
+            engine, slot, data, lambda prompts: self._samples(engine, slot, prompts)
+        )
+        position = self.run.data.state_dict()
+        return SlotResult(samples, time.perf_counter() - began, position, data.retries)
 
     def groups_ahead(self) -> int:
         """Groups generated or generating that no rollout has taken yet."""
@@ -159,8 +215,13 @@ class Producer:
 
     def collect_oldest(self) -> None:
         slot, policy, future = self.pending.popleft()
-        samples, seconds = self.background.result(future)
-        self.slot_time[slot] = (seconds, sum(len(s.response_ids) for s in samples))
+        result = self.background.result(future)
+        samples = result.samples
+        self.slot_time[slot] = (result.seconds, sum(len(s.response_ids) for s in samples))
+        if result.position is not None:  # the slot drew its own prompts, in the thread
+            self.buffer.retry = result.unused_retries + self.buffer.retry
+            if not self.pending:  # no slot draws now: the position is the last slot's
+                self.run.data.load_state_dict(result.position)
         rc = self.run.cfg.rollout
         if rc.save_debug_rollout_data:
             save_samples(rc.save_debug_rollout_data, slot, samples)
