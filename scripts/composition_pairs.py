@@ -32,8 +32,6 @@ FACTORS: dict[str, list[str]] = {
 REFUSED: dict[tuple[str, str], str] = {
     ("one-step-off", "partial rollout"): "train-async has no such boundary",
     ("fully async", "partial rollout"): "train-async has no such boundary",
-    ("one-step-off", "rollout fn"): "train-async draws each slot's prompts ahead",
-    ("fully async", "rollout fn"): "train-async draws each slot's prompts ahead",
 }
 _DRIVERS = {"train": "sync", "async one-step-off": "one-step-off", "async fully": "fully async"}
 _SOURCES = {
@@ -53,6 +51,13 @@ def kills(cell: str) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) (?:named|at random)", cell))
 
 
+def drivers(cell: str) -> set[str]:
+    """The drivers a row runs: "train", or several for a parametrized row ("async one-step-off;
+    async fully (parametrized)")."""
+    names = (name.strip() for name in re.sub(r"\(.*?\)", "", cell).split(";"))
+    return {_DRIVERS[name] for name in names if name in _DRIVERS}
+
+
 def rows(text: str) -> list[tuple[str, dict[str, set[str]]]]:
     """(row number, {factor: values}) for each row of the killed-runs table with at least
     MIN_KILLS kills."""
@@ -65,7 +70,7 @@ def rows(text: str) -> list[tuple[str, dict[str, set[str]]]]:
         if kills(cells[8]) < MIN_KILLS:
             continue
         values = {
-            "driver": {_DRIVERS[driver]} if driver in _DRIVERS else set(),
+            "driver": drivers(driver),
             "source": {name for key, name in _SOURCES.items() if key in source},
             "weights": {"LoRA" if "LoRA" in weights else "full"},
             "engine": {"serve"} if "serve" in engine else ({"local"} if "in-proc" in engine else set()),
