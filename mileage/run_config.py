@@ -405,11 +405,19 @@ class RunConfig:
                 "server), or colocate with `mileage train`"
             )
         dynamic = self.dynamic
-        if dynamic.partial_rollout:
+        if dynamic.partial_rollout and self.asynchronous.keep_old_actor:
             raise UserError(
-                "--partial-rollout continues unfinished answers at the next rollout's boundary; "
-                "train-async has no such boundary (its slots finish in the background, overlapping "
-                "training), so it has nothing to continue: use one or the other"
+                "--partial-rollout continues answers across slots, so one answer's tokens come "
+                "from several weight versions, and --keep-old-actor recomputes a row with the "
+                "one version that generated it: drop --keep-old-actor (--off-policy-correction "
+                "corrects each token for the weights that wrote it)"
+            )
+        if dynamic.mask_offpolicy_in_partial_rollout:
+            raise UserError(
+                "--mask-offpolicy-in-partial-rollout trains only the tokens of the trainer's "
+                "current weights; train-async trains tokens of older weights by design (all of "
+                "them one step off) and corrects each for the weights that wrote it "
+                "(--off-policy-correction): drop the mask, or mask with `mileage train`"
             )
         if dynamic.over_sampling_batch_size is not None:
             raise UserError(

@@ -1089,9 +1089,9 @@ MUTANTS = [
     Mutant(
         "async-filter-skipped",
         "train-async keeps every group, ignoring --dynamic-sampling-filter-path",
-        "mileage/sources/ahead.py",
-        "            if kept:\n                self.buffer.put(slot, policy, group, n)\n",
-        "            if True:\n                self.buffer.put(slot, policy, group, n)\n",
+        "mileage/sources/producer.py",
+        "            if kept:\n                self.buffer.groups.append(group)\n",
+        "            if True:\n                self.buffer.groups.append(group)\n",
         (f"{COMPOSE}::test_async_dynamic_sampling_shaping_tools_and_lora_resume_exactly",),
     ),
     Mutant(
@@ -1124,7 +1124,7 @@ MUTANTS = [
     Mutant(
         "async-completion-order",
         "slots are collected newest first instead of in submission order",
-        "mileage/sources/ahead.py",
+        "mileage/sources/producer.py",
         "        slot, policy, future = self.pending.popleft()\n",
         "        slot, policy, future = self.pending.pop()\n",
         (ASYNC_ORDER,),
@@ -2485,7 +2485,7 @@ MUTANTS = [
         "ahead-rollout-functions-draw-at-once",
         "train-async runs the user's rollout function of a slot without waiting for the slot "
         "before it: two slots draw from the data at once, in an order set by timing",
-        "mileage/sources/ahead.py",
+        "mileage/sources/producer.py",
         "        if previous is not None:\n            wait([previous])\n",
         "        if previous is not None and previous.done():\n            wait([previous])\n",
         (
@@ -2494,9 +2494,21 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "ahead-partial-rollout-saves-no-groups-in-flight",
+        "train-async with --partial-rollout leaves the groups still in flight out of the "
+        "rollout buffer it saves: a resumed run starts them afresh",
+        "mileage/sources/producer.py",
+        "                self.buffer.partial = deque(result.in_flight)\n",
+        "                self.buffer.partial = deque()\n",
+        (
+            "tests/test_compose_pairs.py::"
+            "test_partial_rollout_ahead_killed_anywhere_lands_on_the_uninterrupted_run",
+        ),
+    ),
+    Mutant(
         "ahead-rollout-function-loses-unused-retries",
         "train-async drops the retried prompts a slot's rollout function did not draw",
-        "mileage/sources/ahead.py",
+        "mileage/sources/producer.py",
         "            self.buffer.retry = result.unused_retries + self.buffer.retry\n",
         "            pass\n",
         (

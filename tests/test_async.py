@@ -133,7 +133,11 @@ BAD = [
     (["--keep-old-actor", "--off-policy-correction", "tis"], "--keep-old-actor is itself"),
     (["--keep-old-actor", "--use-rollout-logprobs"], "which --keep-old-actor recomputes"),
     # dynamic sampling composes with train-async through its filter; these name their reason
-    (["--partial-rollout"], "train-async has no such boundary"),
+    (["--partial-rollout", "--keep-old-actor"], "one answer's tokens come from several weight"),
+    (
+        ["--partial-rollout", "--mask-offpolicy-in-partial-rollout"],
+        "train-async trains tokens of older weights by design",
+    ),
     (["--over-sampling-batch-size", "8"], "makes up the groups its --dynamic-sampling-filter"),
     (
         ["--buffer-filter-path", "f.py:f", "--dynamic-sampling-filter-path", "f.py:g"],
@@ -298,7 +302,9 @@ def test_a_rollout_function_s_slots_draw_one_after_another_retries_first():
     rollout = SimpleNamespace(rollout_batch_size=2, save_debug_rollout_data=None,
                               n_samples_per_prompt=1)  # fmt: skip
     run = SimpleNamespace(engine=object(), agent=agent, data=data,
-                          cfg=SimpleNamespace(rollout=rollout), group_filter=None)  # fmt: skip
+                          cfg=SimpleNamespace(rollout=rollout,
+                                              dynamic=SimpleNamespace(partial_rollout=False)),
+                          group_filter=None)  # fmt: skip
     buffer = RolloutBuffer()
     buffer.retry = prompts[30:35]
     producer = Producer(run, buffer, workers=3)

@@ -112,6 +112,34 @@ def test_a_user_rollout_function_ahead_killed_anywhere_lands_on_the_uninterrupte
     assert_lands_on(reference, save, run_with_kills(args, save, chain, subcommand="train-async"))
 
 
+# row 49: partial rollout under both schedules of train-async (each slot a sampling round)
+@pytest.mark.parametrize("schedule", sorted(USER_ROLLOUT_DRIVERS))
+def test_partial_rollout_ahead_killed_anywhere_lands_on_the_uninterrupted_run(
+    schedule, builtin_model, tmp_path
+):
+    args = [
+        *SMALL,
+        "--num-rollout", "5",
+        "--partial-rollout",
+        "--partial-rollout-round-tokens", "1",
+        *USER_ROLLOUT_DRIVERS[schedule],
+    ]  # fmt: skip
+    reference = tmp_path / "reference"
+    run_uninterrupted(args, reference, subcommand="train-async")
+    logged = [r for r in records(reference) if r["rollout_id"] >= 0]
+    # answers were continued across slots with newer weights, and groups were in flight at saves
+    assert sum(r["partial_rollout/continued_samples"] for r in logged) > 0, logged
+    assert all(r["partial_rollout/groups_in_flight"] > 0 for r in logged[:-1]), logged
+    chain = [
+        Kill.at("async_generating", 3),  # inside a round, groups in flight
+        Kill.at("commit_before_tracker", 2),
+        Kill.at("after_generate", 2),
+        Kill.at("optimizer_step", 2),
+    ]
+    save = tmp_path / "run"
+    assert_lands_on(reference, save, run_with_kills(args, save, chain, subcommand="train-async"))
+
+
 @pytest.fixture(scope="module")
 def lora_server(builtin_model):
     (server,) = start_servers(

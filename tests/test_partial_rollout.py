@@ -224,11 +224,6 @@ def test_bad_partial_rollout_flags_are_one_line_and_exit_2(cli, tmp_path, extra,
     assert not (tmp_path / "s").exists()
 
 
-def test_train_async_refuses_partial_rollout(cli, tmp_path):
-    done = cli("train-async", "--partial-rollout", "--save", tmp_path / "s")
-    assert done.returncode == 2 and "--partial-rollout" in done.stderr, done.stderr
-
-
 # ---------------------------------------------------------------- end to end
 
 PROMPTS = 16

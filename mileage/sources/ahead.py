@@ -10,31 +10,27 @@ from) is saved with the rest, in the same commit.
 
 Which weights generate which slot is fixed by `mileage.async_config`'s schedule, never by
 timing, so a killed run rerun with the same command lands on the uninterrupted run bit for bit.
-With `--fully-async --max-weight-staleness 0` it is `mileage train` exactly.
+With `--fully-async --max-weight-staleness 0` it is `mileage train` exactly. How a slot is made
+(plain, a user rollout function, a partial-rollout round) is `mileage.sources.producer`'s.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from concurrent.futures import Future, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from mileage.checkpoint.plan import RESUME
 from mileage.checkpoint.registry import DATA
 from mileage.checkpoint.store import CheckpointState
 from mileage.checkpoint.tensors import load_old_actor_tensors
 from mileage.components import Run
-from mileage.distributed.background import BackgroundGeneration
 from mileage.distributed.parallelize import full_value, swapped_weights
 from mileage.errors import UserError
 from mileage.faults import fault_point
 from mileage.rollout.buffer import STATE_KEY, Group, RolloutBuffer
-from mileage.rollout.dynamic import judge
 from mileage.rollout.engine import LocalEngine
 from mileage.rollout.engines.detached import DetachedLocalEngine
-from mileage.rollout.rollout import generate_samples, save_samples
 from mileage.sources import Drawn, sync_engine
+from mileage.sources.producer import Producer
 from mileage.training.batch import TrainBatch
 from mileage.training.mismatch import apply_mismatch, trainer_logprobs
 from mileage.training.offpolicy import decoupled_weights
@@ -93,6 +89,8 @@ class AheadSource:
         extra = staleness_stats(drawn.groups, rollout_id, self.stale)
         if run.group_filter is not None:
             extra |= filter_stats(producer.buffer)
+        if run.cfg.dynamic.partial_rollout:  # counted with nothing in flight: as on a resume
+            extra |= partial_stats(drawn.samples, producer.buffer)
         # the loop's rate divides by the wait for groups generated ahead
         extra["tokens_per_s"] = generation_rate(drawn.groups, producer.slot_time)
         producer.forget_times(g.slot for g in producer.buffer.groups)
@@ -108,147 +106,6 @@ class AheadSource:
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
-
-
-@dataclass
-class SlotResult:
-    """A generated slot: its samples, the generation thread's seconds on it and, when the
-    user's rollout function drew its prompts, the data position after it and the retried
-    prompts it left."""
-
-    samples: list
-    seconds: float
-    position: dict | None = None
-    unused_retries: list = field(default_factory=list)
-
-
-class RetriesFirst:
-    """The data source a slot's rollout function draws from: the slot's retried prompts first
-    (stale groups' prompts, drawn for it in submission order), then the run's data."""
-
-    def __init__(self, retries: list, data):
-        self.retries = list(retries)
-        self.data = data
-
-    def next_batch(self, size: int) -> list:
-        head, self.retries = self.retries[:size], self.retries[size:]
-        return head + (self.data.next_batch(size - len(head)) if size > len(head) else [])
-
-    def __getattr__(self, name: str):
-        return getattr(self.data, name)
-
-
-class Producer:
-    """Generates slots in a background thread; results are collected in submission order."""
-
-    def __init__(self, run: Run, buffer: RolloutBuffer, workers: int):
-        self.run = run
-        self.buffer = buffer
-        # threads where the engine is driven (under torchrun: rank 0, results broadcast)
-        self.background = BackgroundGeneration(run.engine, workers)
-        self.pending: deque[tuple[int, int, Future | None]] = deque()  # (slot, policy, result)
-        # slot -> (seconds the generation thread spent on it, its response tokens): the
-        # throughput of a rollout is the generator's, not tokens over the trainer's wait
-        self.slot_time: dict[int, tuple[float, int]] = {}
-        self.user_rollout = run.agent is not None and run.agent.user.rollout is not None
-        self.last_drawing: Future | None = None  # the last slot the rollout function makes
-
-    def submit(self, policy_rollouts: int) -> None:
-        """The next slot, generated with the engine's current weights (`policy_rollouts`)."""
-        run, size = self.run, self.run.cfg.rollout.rollout_batch_size
-        retries = self.buffer.draw_retries(size)  # stale groups' prompts, before new data
-        slot = self.buffer.next_slot
-        self.buffer.next_slot += 1
-        if self.user_rollout:
-            # the function draws in the generation thread, so the slots run one after another
-            # in submission order, each from where the one before left the data
-            job = self.background.submit(self._user_rollout, slot, retries, self.last_drawing)
-            self.last_drawing = job
-        else:
-            prompts = retries + run.data.next_batch(size - len(retries))  # drawn here, in order
-            job = self.background.submit(self._generate, slot, prompts)
-        self.pending.append((slot, policy_rollouts, job))
-
-    def _generate(self, engine, slot: int, prompts) -> SlotResult:
-        """The slot's samples and the seconds this thread spent generating them."""
-        fault_point("async_generating")  # in the thread, while the trainer trains
-        began = time.perf_counter()
-        samples = self._samples(engine, slot, prompts)
-        return SlotResult(samples, time.perf_counter() - began)
-
-    def _samples(self, engine, slot: int, prompts) -> list:
-        """`prompts`' scored groups, seeded by `slot` (the run's own generation)."""
-        run = self.run
-        return generate_samples(
-            engine,
-            run.encode,
-            prompts,
-            run.sampling,
-            run.cfg.rollout.n_samples_per_prompt,
-            run.reward_fn,
-            run.cfg.loop.seed,
-            slot,
-            run.agent,
-        )
-
-    def _user_rollout(self, engine, slot: int, retries: list, previous: Future | None):
-        """--rollout-function-path: the user's function makes the slot, drawing its prompts
-        (the slot's retried ones first) after the slot before it has drawn all of its own; the
-        data position it leaves travels with the samples."""
-        if previous is not None:
-            wait([previous])
-            if previous.cancelled() or previous.exception() is not None:
-                return None  # the run stops at that slot, which is collected first
-        fault_point("async_generating")
-        began = time.perf_counter()
-        data = RetriesFirst(retries, self.run.data)
-        samples = self.run.agent.run_rollout(
-            engine, slot, data, lambda prompts: self._samples(engine, slot, prompts)
-        )
-        position = self.run.data.state_dict()
-        return SlotResult(samples, time.perf_counter() - began, position, data.retries)
-
-    def groups_ahead(self) -> int:
-        """Groups generated or generating that no rollout has taken yet."""
-        size = self.run.cfg.rollout.rollout_batch_size
-        return len(self.buffer.groups) + len(self.pending) * size
-
-    def collect_oldest(self) -> None:
-        slot, policy, future = self.pending.popleft()
-        result = self.background.result(future)
-        samples = result.samples
-        self.slot_time[slot] = (result.seconds, sum(len(s.response_ids) for s in samples))
-        if result.position is not None:  # the slot drew its own prompts, in the thread
-            self.buffer.retry = result.unused_retries + self.buffer.retry
-            if not self.pending:  # no slot draws now: the position is the last slot's
-                self.run.data.load_state_dict(result.position)
-        rc = self.run.cfg.rollout
-        if rc.save_debug_rollout_data:
-            save_samples(rc.save_debug_rollout_data, slot, samples)
-        n = rc.n_samples_per_prompt
-        keep = self.run.group_filter
-        for start in range(0, len(samples), n):
-            group = samples[start : start + n]
-            # dynamic sampling: judged as the slot is collected, in submission order, so what
-            # is kept never depends on timing; the rollout short of groups takes more slots
-            kept, reason = (True, "") if keep is None else judge(keep, self.run.cfg, group)
-            if kept:
-                self.buffer.put(slot, policy, group, n)
-            else:
-                self.buffer.filtered[reason] = self.buffer.filtered.get(reason, 0) + 1
-
-    def forget_times(self, untrained_slots) -> None:
-        """Drop the times of slots no untrained group or slot in flight comes from."""
-        keep = {*untrained_slots, *(slot for slot, _, _ in self.pending)}
-        self.slot_time = {s: t for s, t in self.slot_time.items() if s in keep}
-
-    def drain(self) -> None:
-        """Wait for every slot in flight (before the engine's weights change, and before a save)."""
-        while self.pending:
-            self.collect_oldest()
-
-    def close(self) -> None:
-        self.background.close()
 
 
 def restored_old_actor(run: Run, buffer: RolloutBuffer, engine_policy: int) -> OldActor | None:
@@ -402,4 +259,15 @@ def filter_stats(buffer: RolloutBuffer) -> dict:
     return {
         "dynamic_filter/groups_dropped": sum(buffer.filtered.values()),
         **{f"dynamic_filter/drop_{r}": c for r, c in sorted(buffer.filtered.items())},
+    }
+
+
+def partial_stats(samples: list, buffer: RolloutBuffer) -> dict:
+    """--partial-rollout: the rollout's samples whose tokens came from more than one weight
+    version (continued across slots), and the groups still in flight after it."""
+    return {
+        "partial_rollout/continued_samples": sum(
+            len(set(s.weight_versions or [])) > 1 for s in samples
+        ),
+        "partial_rollout/groups_in_flight": len(buffer.partial),
     }

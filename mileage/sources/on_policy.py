@@ -141,20 +141,7 @@ def user_rollout(run: Run, rollout_id: int) -> list:
 def partial_rollout(run: Run, rollout_id: int):
     """One rollout of --partial-rollout: rounds of a token budget per sample, seeded by slot."""
     rc, dynamic = run.cfg.rollout, run.cfg.dynamic
-    generator = RoundGenerator(
-        run.engine,
-        run.encode,
-        run.sampling,
-        dynamic.round_tokens(rc.rollout_max_response_len),
-        rc.n_samples_per_prompt,
-        run.reward_fn,
-        run.cfg.loop.seed,
-        run.agent.journal if run.agent is not None else None,
-        run.agent.score_once if run.agent is not None else in_place,
-        # trajectories of the built-in tool loop (the only multi-turn kind a round continues)
-        run.agent if run.agent is not None and run.agent.multi_turn else None,
-        lambda job: where_driven(run.engine, job),
-    )
+    generator = round_generator(run, run.engine, lambda job: where_driven(run.engine, job))
 
     def advance(carried, prompts, slot):
         groups = generator(carried, prompts, slot, rollout_id)
@@ -173,4 +160,24 @@ def partial_rollout(run: Run, rollout_id: int):
         rc.rollout_batch_size,
         generator.group_done,
         rollout_id,
+    )
+
+
+def round_generator(run: Run, engine, drive=None) -> RoundGenerator:
+    """--partial-rollout's rounds on `engine` (`drive`: where a round's job runs, its result on
+    every rank; None: here, as in train-async's generation thread)."""
+    rc, agent = run.cfg.rollout, run.agent
+    return RoundGenerator(
+        engine,
+        run.encode,
+        run.sampling,
+        run.cfg.dynamic.round_tokens(rc.rollout_max_response_len),
+        rc.n_samples_per_prompt,
+        run.reward_fn,
+        run.cfg.loop.seed,
+        agent.journal if agent is not None else None,
+        agent.score_once if agent is not None else in_place,
+        # trajectories of the built-in tool loop (the only multi-turn kind a round continues)
+        agent if agent is not None and agent.multi_turn else None,
+        drive,
     )
