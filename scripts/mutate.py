@@ -2482,6 +2482,18 @@ MUTANTS = [
         ("tests/test_colocate.py::test_the_engine_leaves_the_trainer_s_random_states_alone",),
     ),
     Mutant(
+        "colocate-torchrun-head-not-handed-over",
+        "under torchrun the colocated engine's in-memory update leaves out the LM head that the "
+        "tied embedding shares: the engine samples with the head it was loaded with",
+        "mileage/rollout/engines/colocated.py",
+        '        state.setdefault("lm_head.weight", tensors[head])\n',
+        "",
+        (
+            "tests/test_colocate.py::"
+            "test_under_torchrun_rank_0_s_engine_takes_the_gathered_weights_in_memory",
+        ),
+    ),
+    Mutant(
         "ahead-rollout-functions-draw-at-once",
         "train-async runs the user's rollout function of a slot without waiting for the slot "
         "before it: two slots draw from the data at once, in an order set by timing",

@@ -138,3 +138,35 @@ def test_the_engine_leaves_the_trainer_s_random_states_alone(builtin_model, monk
     assert torch.equal(torch.get_rng_state(), before[0])
     assert random.getstate() == before[1]
     assert (np.random.get_state()[1] == before[2]).all()
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_s_engine_takes_the_gathered_weights_in_memory(
+    builtin_model, tmp_path
+):
+    """N=2: rank 0 holds the one engine; vLLM is loaded once from a directory written from the
+    gathered shards, and every later update hands it rank 0's gathered tensors in memory. The
+    engine samples with the trainer's weights at every rollout, and a run killed mid-sync (on
+    rank 0, half the gathered tensors handed over) and on rank 1 lands on the uninterrupted one."""
+    from conftest import torchrun_env
+
+    args = [*ARGS[:1], "3", *ARGS[2:]]  # 3 rollouts
+
+    def env(reloads: Path) -> dict[str, str]:
+        return {**torchrun_env(), **env_for(reloads)}
+
+    reference = tmp_path / "reference"
+    run_uninterrupted(args, reference, nproc=2, env=env(tmp_path / "ref_reloads.txt"))
+    reloads = (tmp_path / "ref_reloads.txt").read_text().splitlines()
+    assert reloads[0].startswith("start ") and len(reloads) == 4, reloads
+    assert all(line.startswith("memory ") for line in reloads[1:]), reloads
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["logprob_abs_diff"] < 1e-5 for r in records), records
+
+    chain = [Kill.at("mid_weight_sync", 2, rank=0), Kill.at("optimizer_step", 3, rank=1)]
+    save = tmp_path / "run"
+    outcomes = run_with_kills(args, save, chain, nproc=2, env=env(tmp_path / "run_reloads.txt"))
+    table = outcome_table(outcomes)
+    assert [o.status for o in outcomes] == ["killed"] * len(chain), table
+    assert all(o.resumed and not o.problems for o in outcomes), table
+    assert compare_runs(reference, save) == [], table

@@ -98,6 +98,10 @@ class RemoteEngineOnRank0:
         input embedding's name) as `version`. Every rank calls it; rank 0 does the work."""
 
         def load() -> None:
+            takes_tensors = getattr(self.engine, "takes_tensors", None)
+            if takes_tensors is not None and takes_tensors():  # colocated vLLM, once loaded
+                self.engine.load_tensors(tensors, head, version)
+                return
             path = write_hf_weights(config, tensors, self.engine.weights.path)
             if self.untie_head and getattr(config, "tie_word_embeddings", False):
                 from mileage.rollout.engines.vllm import untie_head_on_disk

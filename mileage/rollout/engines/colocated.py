@@ -12,9 +12,11 @@ with an untied LM head (vLLM 0.32's reloader does not reload a tied head, `untie
 Rows are sampled with per-row seeds, the same `seed` field the launched server gets, so a row's
 sample depends on nothing batched with it and a resumed run draws the same samples.
 
-Under torchrun rank 0 holds the engine and takes the weights the torchrun wrapper writes from
-the gathered shards (`load_weights_from`: the reloader reads the directory): one engine, as one
-launched server, because every rank's copy of vLLM would hold the whole model and KV cache.
+Under torchrun rank 0 holds the engine: one engine, as one launched server, because every
+rank's copy of vLLM would hold the whole model and its KV cache. Every rank takes part in
+gathering the full values of the shards onto rank 0 (`distributed.remote`); vLLM is loaded once
+from a directory written from them (`load_weights_from`), and every later update hands rank 0's
+gathered tensors to the reloader in memory (`load_tensors`).
 """
 
 from __future__ import annotations
@@ -72,15 +74,19 @@ def kept_rng() -> Iterator[None]:
             np.random.set_state(npy)
 
 
-def engine_tensors(
-    model: torch.nn.Module, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's HF-named tensors for vLLM, cast one at a time, with an LM head of its own
-    (the engine was loaded untied)."""
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's HF-named tensors, with an LM head of its own (the engine was loaded untied)."""
     state = model.state_dict()
     head = model.get_output_embeddings()
     if "lm_head.weight" not in state and head is not None:
         state["lm_head.weight"] = head.weight
+    return state
+
+
+def engine_tensors(
+    state: dict[str, torch.Tensor], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`state`'s tensors for vLLM's reloader, cast one at a time."""
     for index, (name, tensor) in enumerate(state.items()):
         if index == len(state) // 2:
             fault_point("mid_weight_sync")  # half the tensors handed over
@@ -125,13 +131,29 @@ class ColocatedVLLM:
             untie_on_disk(model, path)
             self._start(path)
         else:
-            tensors = engine_tensors(model, DTYPES[self.dtype])
-            with kept_rng():
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+            self._reload(model_state(model))
+        self.weight_version = version
+
+    def _reload(self, state: dict[str, torch.Tensor]) -> None:
+        tensors = engine_tensors(state, DTYPES[self.dtype])
+        with kept_rng():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+
+    def takes_tensors(self) -> bool:
+        """Under torchrun: whether the next update goes in memory (once vLLM is loaded)."""
+        return self.llm is not None
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], head: str, version: int) -> None:
+        """Under torchrun: rank 0's gathered full values (HF names; `head`: the input
+        embedding's, which a tied LM head shares), handed over in memory."""
+        state = dict(tensors)
+        state.setdefault("lm_head.weight", tensors[head])
+        self._reload(state)
         self.weight_version = version
 
     def load_weights_from(self, path: Path, version: int) -> None:
-        """Under torchrun: the directory rank 0 wrote from the gathered shards."""
+        """Under torchrun, the first update: the directory rank 0 wrote from the gathered
+        shards, with its own LM head, which vLLM loads."""
         if self.llm is None:
             self._start(path)
         else:
