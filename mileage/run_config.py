@@ -325,16 +325,22 @@ class RunConfig:
         if (
             env.world_size() > 1
             and (self.multiturn.multi_turn or self.multiturn.rollout_function_path)
-            and not self.engine.remote
+            and self.engine.on_every_rank
         ):
             # rank 0 runs such rollouts against the servers and shares the samples
-            # (`distributed.remote.where_driven`); the in-process engine has no rank 0 to
-            # drive it: every rank decodes its share with the policy's shards at once
+            # (`distributed.remote.where_driven`); an engine on every rank has no rank 0 to
+            # drive it: every rank generates its share at once
+            which = (
+                "colocated vLLM runs in every rank's process (vLLM joins the trainer's process "
+                "group)"
+                if self.engine.colocate
+                else "the in-process engine decodes with the policy's shards on every rank"
+            )
             raise UserError(
                 "multi-turn rollouts (--custom-generate-function-path, --rollout-function-path, "
                 "tools) under torchrun generate on remote engines (--rollout-engine sglang or "
-                "vllm with --rollout-url, e.g. `mileage serve`): the in-process engine decodes "
-                "with the policy's shards on every rank at once, so each rank would run the tools"
+                f"vllm with --rollout-url, e.g. `mileage serve`): {which} at once, so each rank "
+                "would run the tools"
             )
         self.mismatch.validate()
         self.lora.validate()

@@ -1300,9 +1300,13 @@ MUTANTS = [
         "lora-n2-merge-unscaled",
         "under torchrun the merged weights rank 0 computes leave out the adapter's alpha / rank",
         "mileage/distributed/lora_remote.py",
-        "            delta = (delta * layer.scaling[ADAPTER]).to(weight.dtype)\n",
-        "            delta = delta.to(weight.dtype)\n",
-        (LORA_VLLM_N2,),
+        "        delta = (delta * layer.scaling[ADAPTER]).to(weight.dtype)\n",
+        "        delta = delta.to(weight.dtype)\n",
+        (
+            LORA_VLLM_N2,
+            "tests/test_colocate.py::"
+            "test_under_torchrun_a_lora_run_s_engines_take_the_merged_weights",
+        ),
     ),
     Mutant(
         "lora-adapter-synced-once",
@@ -2482,15 +2486,15 @@ MUTANTS = [
         ("tests/test_colocate.py::test_the_engine_leaves_the_trainer_s_random_states_alone",),
     ),
     Mutant(
-        "colocate-torchrun-head-not-handed-over",
-        "under torchrun the colocated engine's in-memory update leaves out the LM head that the "
-        "tied embedding shares: the engine samples with the head it was loaded with",
-        "mileage/rollout/engines/colocated.py",
-        '        state.setdefault("lm_head.weight", tensors[head])\n',
-        "",
+        "colocate-torchrun-rows-seeded-by-rank",
+        "under torchrun each rank's colocated engine seeds its share of the rows by their place "
+        "in the share, not in the whole call: rank 1 redraws rank 0's samples' randomness",
+        "mileage/distributed/colocated.py",
+        "        part = None if seed is None else RowsOf(seed, tuple(mine))\n",
+        "        part = seed\n",
         (
             "tests/test_colocate.py::"
-            "test_under_torchrun_rank_0_s_engine_takes_the_gathered_weights_in_memory",
+            "test_under_torchrun_every_rank_s_engine_takes_the_gathered_weights_in_memory",
         ),
     ),
     Mutant(

@@ -140,33 +140,77 @@ def test_the_engine_leaves_the_trainer_s_random_states_alone(builtin_model, monk
     assert (np.random.get_state()[1] == before[2]).all()
 
 
-@pytest.mark.slow
-def test_under_torchrun_rank_0_s_engine_takes_the_gathered_weights_in_memory(
-    builtin_model, tmp_path
-):
-    """N=2: rank 0 holds the one engine; vLLM is loaded once from a directory written from the
-    gathered shards, and every later update hands it rank 0's gathered tensors in memory. The
-    engine samples with the trainer's weights at every rollout, and a run killed mid-sync (on
-    rank 0, half the gathered tensors handed over) and on rank 1 lands on the uninterrupted one."""
+def n2_env(reloads: Path) -> dict[str, str]:
     from conftest import torchrun_env
 
-    args = [*ARGS[:1], "3", *ARGS[2:]]  # 3 rollouts
+    return {**torchrun_env(), **env_for(reloads)}
 
-    def env(reloads: Path) -> dict[str, str]:
-        return {**torchrun_env(), **env_for(reloads)}
 
+def n2_reference(tmp_path: Path, args: list[str]) -> Path:
+    """An N=2 colocated run: every rank's engine loaded once from the disk, then every update
+    in memory, and sampling with the trainer's weights at every rollout."""
     reference = tmp_path / "reference"
-    run_uninterrupted(args, reference, nproc=2, env=env(tmp_path / "ref_reloads.txt"))
+    run_uninterrupted(args, reference, nproc=2, env=n2_env(tmp_path / "ref_reloads.txt"))
     reloads = (tmp_path / "ref_reloads.txt").read_text().splitlines()
-    assert reloads[0].startswith("start ") and len(reloads) == 4, reloads
-    assert all(line.startswith("memory ") for line in reloads[1:]), reloads
+    starts = [line for line in reloads if line.startswith("start ")]
+    assert sorted(s.rsplit("/", 1)[-1] for s in starts) == ["rank0", "rank1"], reloads
+    memory = [line for line in reloads if line.startswith("memory ")]
+    assert len(memory) == 2 * 3 and len(set(memory)) == 1, reloads  # 3 updates after the load
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["logprob_abs_diff"] < 1e-5 for r in records), records
+    return reference
 
+
+N2_ARGS = [*ARGS[:1], "3", *ARGS[2:]]  # 3 rollouts
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_s_engine_takes_the_gathered_weights_in_memory(
+    builtin_model, tmp_path
+):
+    """N=2: vLLM joins the trainer's process group, so each rank runs an engine of its own
+    (distributed/colocated.py), sampling its share of the rows with the rows' own seeds; each
+    takes the gathered full values, in memory after its first load. Killed mid-sync on rank 0
+    (half the tensors handed to its engine) and on rank 1, the run lands on the uninterrupted
+    one."""
+    rollouts = tmp_path / "rollouts" / "{rollout_id}.json"
+    reference = n2_reference(tmp_path, [*N2_ARGS, "--save-debug-rollout-data", rollouts])
+    # the first rollout, sampled from the same weights, is the one a single process draws
+    one = tmp_path / "one" / "{rollout_id}.json"
+    args = [*ARGS, "--num-rollout", "1", "--save-debug-rollout-data", one]
+    run_uninterrupted(args, tmp_path / "one_run", env=env_for(tmp_path / "one.txt"))
+    tokens = [
+        [
+            s["response_ids"]
+            for s in json.loads(Path(str(f).format(rollout_id=0)).read_text())["samples"]
+        ]
+        for f in (rollouts, one)
+    ]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 32, tokens
     chain = [Kill.at("mid_weight_sync", 2, rank=0), Kill.at("optimizer_step", 3, rank=1)]
     save = tmp_path / "run"
-    outcomes = run_with_kills(args, save, chain, nproc=2, env=env(tmp_path / "run_reloads.txt"))
+    outcomes = run_with_kills(N2_ARGS, save, chain, nproc=2, env=n2_env(tmp_path / "run.txt"))
     table = outcome_table(outcomes)
     assert [o.status for o in outcomes] == ["killed"] * len(chain), table
     assert all(o.resumed and not o.problems for o in outcomes), table
     assert compare_runs(reference, save) == [], table
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_lora_run_s_engines_take_the_merged_weights(builtin_model, tmp_path):
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--target-modules", "all-linear"]
+    n2_reference(tmp_path, [*N2_ARGS, *lora])
+
+
+def test_tools_with_colocated_vllm_under_torchrun_are_refused_naming_why(
+    builtin_model, tmp_path, monkeypatch, capsys
+):
+    """Each rank's colocated engine samples its own share, so each rank would run the tools."""
+    from mileage.cli.main import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = [*ARGS, "--num-rollout", "1", "--builtin-task", "addition-tool"]
+    assert main(["train", *args, "--save", str(tmp_path / "run")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "colocated vLLM runs in every rank's process" in line and "would run the tools" in line
+    assert not (tmp_path / "run").exists()

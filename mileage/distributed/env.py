@@ -114,6 +114,8 @@ def session(host_collectives: bool = False) -> Iterator[None]:
         # a peer may be dead or stuck: no collective on the way out, torchrun stops the rest
         dist.destroy_process_group()
         raise
+    if not dist.is_initialized():
+        return  # vLLM colocated under torchrun tears the group down as it shuts down
     # A finished rank waits for its peers before tearing its connections down: a gloo rank
     # whose peer closed while its own last collective was still draining aborted at exit
     # ("terminate called without an active exception"; seen once in a 2-rank probe).

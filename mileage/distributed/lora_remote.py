@@ -25,6 +25,7 @@ import torch
 
 from mileage.distributed import env
 from mileage.distributed.coordination import on_rank0
+from mileage.distributed.parallelize import full_value
 from mileage.distributed.remote import RemoteEngineOnRank0, gather_full
 from mileage.models.hf import write_atomically
 from mileage.models.lora import ADAPTER, save_adapter_tensors
@@ -107,31 +108,11 @@ class ShardedLoraSync(RemoteEngineOnRank0):
         full = gather_full(tensors)  # all ranks
         if full is not None:  # rank 0
             if merged:
-                full = self._merge(full)
+                full = merged_weights(self.inner, full)
             full = {hf_name(n): t for n, t in full.items()}
         embedding = self.inner.get_input_embeddings().weight
         head = next(n for n, p in self.inner.named_parameters() if p is embedding)
         self.load_full_weights(full, self.inner.config, hf_name(head), version)
-
-    @torch.no_grad()
-    def _merge(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """W + scale * B @ A for each adapted layer, as PEFT's `get_delta_weight` computes it
-        (16-bit CPU weights in fp32), from the full values; the adapter tensors dropped."""
-        from peft.tuners.lora import LoraLayer
-
-        for name, layer in self.inner.named_modules():
-            if not isinstance(layer, LoraLayer):
-                continue
-            weight = full[f"{name}.base_layer.weight"]
-            a = full[f"{name}.lora_A.{ADAPTER}.weight"]
-            b = full[f"{name}.lora_B.{ADAPTER}.weight"]
-            low = a.dtype in (torch.float16, torch.bfloat16)
-            delta = (b.float() @ a.float()) if low else b @ a
-            if layer.fan_in_fan_out:
-                delta = delta.T
-            delta = (delta * layer.scaling[ADAPTER]).to(weight.dtype)
-            full[f"{name}.base_layer.weight"] = weight + delta
-        return {n: t for n, t in full.items() if LORA_MARK not in n}
 
     def _sync_adapter(self, version: int) -> str | None:
         """This version of the adapter to the servers; None, or why they refused it."""
@@ -185,3 +166,39 @@ class ShardedLoraSync(RemoteEngineOnRank0):
         super().close()
         if self._temporary and self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+@torch.no_grad()
+def merged_weights(
+    inner: torch.nn.Module, full: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """W + scale * B @ A for each adapted layer of `inner` (the PEFT-wrapped module), as PEFT's
+    `get_delta_weight` computes it (16-bit CPU weights in fp32), from the full values `full`;
+    the adapter tensors dropped."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, layer in inner.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        weight = full[f"{name}.base_layer.weight"]
+        a = full[f"{name}.lora_A.{ADAPTER}.weight"]
+        b = full[f"{name}.lora_B.{ADAPTER}.weight"]
+        low = a.dtype in (torch.float16, torch.bfloat16)
+        delta = (b.float() @ a.float()) if low else b @ a
+        if layer.fan_in_fan_out:
+            delta = delta.T
+        delta = (delta * layer.scaling[ADAPTER]).to(weight.dtype)
+        full[f"{name}.base_layer.weight"] = weight + delta
+    return {n: t for n, t in full.items() if LORA_MARK not in n}
+
+
+def merged_full_values(inner: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The merged weights of the sharded PEFT-wrapped `inner` under the plain model's HF names,
+    on every rank (one all-gather per tensor, every rank taking part), with an LM head of its
+    own where the input embedding is tied to it."""
+    full = {n: full_value(t.detach()) for n, t in model_tensors(inner).items()}
+    state = {hf_name(n): t for n, t in merged_weights(inner, full).items()}
+    embedding = inner.get_input_embeddings().weight
+    head = next(n for n, p in inner.named_parameters() if p is embedding)
+    state.setdefault("lm_head.weight", state[hf_name(head)])
+    return state

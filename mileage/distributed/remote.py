@@ -19,11 +19,9 @@ Rank 0 talks to the servers; every rank gets the completions:
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors.torch import save_file
 
 from mileage.checkpoint.tensors import model_tensors
 from mileage.distributed import env
@@ -31,8 +29,8 @@ from mileage.distributed.coordination import on_rank0
 from mileage.distributed.parallelize import full_value
 from mileage.errors import UserError
 from mileage.faults import fault_point
-from mileage.models.hf import write_atomically
 from mileage.rollout.engine import Completion, SamplingParams
+from mileage.rollout.engines.weights import write_hf_weights
 from mileage.rollout.rewards.journaled import ScoreOnce, in_place
 
 T = TypeVar("T")
@@ -54,16 +52,6 @@ def gather_full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | N
             full[name] = whole.to("cpu", copy=True).contiguous()
         del whole
     return full if env.is_main() else None
-
-
-def write_hf_weights(config: Any, tensors: dict[str, torch.Tensor], out: Path) -> Path:
-    """An HF model directory (config + one safetensors file) at `out`, replaced atomically."""
-
-    def write(staging: Path) -> None:
-        config.save_pretrained(staging)
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-
-    return write_atomically(out, write)
 
 
 class RemoteEngineOnRank0:
@@ -98,10 +86,6 @@ class RemoteEngineOnRank0:
         input embedding's name) as `version`. Every rank calls it; rank 0 does the work."""
 
         def load() -> None:
-            takes_tensors = getattr(self.engine, "takes_tensors", None)
-            if takes_tensors is not None and takes_tensors():  # colocated vLLM, once loaded
-                self.engine.load_tensors(tensors, head, version)
-                return
             path = write_hf_weights(config, tensors, self.engine.weights.path)
             if self.untie_head and getattr(config, "tie_word_embeddings", False):
                 from mileage.rollout.engines.vllm import untie_head_on_disk

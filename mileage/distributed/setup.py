@@ -5,6 +5,7 @@ weights through `load_on_rank0` and then hands the unsharded parts to `distribut
 shards them and wraps the engine for the ranks:
 - an in-process engine decodes with the gathered shards (a plain copy is kept only under bf16
   mixed precision, `distributed/rollout.py` says why);
+- colocated vLLM runs in every rank's process (`ColocatedOnEveryRank`);
 - a remote engine is driven by rank 0 (`RemoteEngineOnRank0`), and with LoRA rank 0 gathers the
   adapter from the shards and sends it (`ShardedLoraSync`).
 """
@@ -16,12 +17,14 @@ from collections.abc import Callable
 import torch
 
 from mileage.distributed import env
+from mileage.distributed.colocated import ColocatedOnEveryRank
 from mileage.distributed.coordination import stop_together
 from mileage.distributed.lora_remote import ShardedLoraSync
 from mileage.distributed.parallelize import ParallelConfig, shard_from_rank0, shard_run_models
 from mileage.distributed.remote import RemoteEngineOnRank0
 from mileage.distributed.rollout import ShardedGenerationEngine
 from mileage.models.hf import empty_causal_lm
+from mileage.rollout.engines.colocated import ColocatedVLLM
 
 
 def load_on_rank0(load: Callable[[], torch.nn.Module], config_dir: str) -> torch.nn.Module:
@@ -59,6 +62,8 @@ def distribute_run(
         shard_from_rank0(value_model, parallel)
     if engine is None:
         return model, reference, None
+    if isinstance(engine, ColocatedVLLM):  # vLLM in every rank's process (colocated.py: why)
+        return model, reference, ColocatedOnEveryRank(engine, lora)
     if not local and lora is not None:
         return model, reference, ShardedLoraSync(engine, lora, from_tensor, log, adapters)
     if not local:  # rank 0 drives the servers; no copy of the policy is kept

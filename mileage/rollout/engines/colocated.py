@@ -12,16 +12,15 @@ with an untied LM head (vLLM 0.32's reloader does not reload a tied head, `untie
 Rows are sampled with per-row seeds, the same `seed` field the launched server gets, so a row's
 sample depends on nothing batched with it and a resumed run draws the same samples.
 
-Under torchrun rank 0 holds the engine: one engine, as one launched server, because every
-rank's copy of vLLM would hold the whole model and its KV cache. Every rank takes part in
-gathering the full values of the shards onto rank 0 (`distributed.remote`); vLLM is loaded once
-from a directory written from them (`load_weights_from`), and every later update hands rank 0's
-gathered tensors to the reloader in memory (`load_tensors`).
+Under torchrun every rank holds an engine of its own (`distributed/colocated.py` says why and
+how): vLLM started in a process whose torch.distributed is initialized builds its groups from
+the trainer's world, so it starts on every rank (`external_launcher`) or on none.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import random
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ from mileage.rollout.engines.base import RowSeeds, SamplingSeed, check_sample
 from mileage.rollout.engines.config import EngineConfig
 from mileage.rollout.engines.http import BadReply
 from mileage.rollout.engines.vllm import NEUTRAL_SAMPLING, untie_on_disk
-from mileage.rollout.engines.weights import DiskWeights
+from mileage.rollout.engines.weights import DiskWeights, write_hf_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -97,6 +96,9 @@ class ColocatedVLLM:
     in_process = False  # log-probs come from vLLM's kernels: the trainer recomputes them
     needs_untied_head = True  # directories written for it under torchrun carry their own head
 
+    # under torchrun: vLLM joins the trainer's process group, one engine per rank
+    external_launcher = False
+
     def __init__(
         self, cfg: EngineConfig, vocab_size: int, eos_id: int, model_dir: str, log, dtype: str
     ):
@@ -117,6 +119,11 @@ class ColocatedVLLM:
                     seed=0,
                     enforce_eager=True,
                     enable_prefix_caching=False,  # cached prefixes would outlive an update
+                    **(
+                        {"distributed_executor_backend": "external_launcher"}
+                        if self.external_launcher
+                        else {}
+                    ),
                 )
         except Exception as exc:
             raise UserError(
@@ -139,26 +146,17 @@ class ColocatedVLLM:
         with kept_rng():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
 
-    def takes_tensors(self) -> bool:
-        """Under torchrun: whether the next update goes in memory (once vLLM is loaded)."""
-        return self.llm is not None
-
-    def load_tensors(self, tensors: dict[str, torch.Tensor], head: str, version: int) -> None:
-        """Under torchrun: rank 0's gathered full values (HF names; `head`: the input
-        embedding's, which a tied LM head shares), handed over in memory."""
-        state = dict(tensors)
-        state.setdefault("lm_head.weight", tensors[head])
-        self._reload(state)
-        self.weight_version = version
-
-    def load_weights_from(self, path: Path, version: int) -> None:
-        """Under torchrun, the first update: the directory rank 0 wrote from the gathered
-        shards, with its own LM head, which vLLM loads."""
-        if self.llm is None:
-            self._start(path)
+    def load_full(self, config, state: dict[str, torch.Tensor], version: int, directory: str):
+        """Under torchrun: `state`, the full values of the policy's shards (HF names, with an
+        LM head of its own), gathered onto this rank. The first loads vLLM from them written to
+        `directory` (this rank's own), every later one goes to the reloader in memory."""
+        if self.llm is None:  # with an LM head of its own, as `untie_on_disk` writes it
+            untied = copy.deepcopy(config)
+            untied.tie_word_embeddings = False
+            tensors = {**state, "lm_head.weight": state["lm_head.weight"].clone()}
+            self._start(write_hf_weights(untied, tensors, self.weights.root / directory))
         else:
-            with kept_rng():
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            self._reload(state)
         self.weight_version = version
 
     def generate(

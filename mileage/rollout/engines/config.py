@@ -83,11 +83,10 @@ class EngineConfig:
         """A line for the plan when the run gives up something the user should know."""
         if self.colocate:
             return (
-                "--colocate: vLLM runs in this process (rank 0's under torchrun), loaded once "
-                "from the trainer's weights written to the disk, then every update in memory "
-                "(under torchrun: reloaded from the directory written from the gathered shards); "
-                "vLLM's sleep mode is not used, so its weights and KV cache stay allocated while "
-                "training runs"
+                "--colocate: vLLM runs in this process (under torchrun: in every rank's, each "
+                "sampling its share), loaded once from the trainer's weights written to the "
+                "disk, then every update in memory; vLLM's sleep mode is not used, so its "
+                "weights and KV cache stay allocated while training runs"
             )
         if self.allow_nondeterministic_rollout and self.rollout_engine == "sglang":
             return (
@@ -99,6 +98,12 @@ class EngineConfig:
     @property
     def remote(self) -> bool:
         return self.rollout_engine != "local"
+
+    @property
+    def on_every_rank(self) -> bool:
+        """Under torchrun each rank generates its share with an engine of its own: the
+        in-process engine, or vLLM colocated in each rank's process."""
+        return not self.remote or self.colocate
 
     def validate(self) -> None:
         if self.rollout_engine == "local" and self.rollout_url:

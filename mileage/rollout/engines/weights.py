@@ -10,10 +10,23 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
-from mileage.models.hf import write_hf_dir
+from mileage.models.hf import write_atomically, write_hf_dir
+
+
+def write_hf_weights(config: Any, tensors: dict[str, torch.Tensor], out: Path) -> Path:
+    """An HF model directory (config + one safetensors file) at `out`, replaced atomically:
+    full values gathered from the shards (HF names), where no plain model holds them."""
+
+    def write(staging: Path) -> None:
+        config.save_pretrained(staging)
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+
+    return write_atomically(out, write)
 
 
 class DiskWeights:
