@@ -144,6 +144,15 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
                 metavar=item.__name__.upper(),
             )
             continue
+        if kind is bool and default is None:  # --flag / --no-flag / neither (decided later)
+            group.add_argument(
+                name,
+                dest=field.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=field.metadata["help"],
+            )
+            continue
         if kind is bool:
             action = "store_false" if default else "store_true"
             if default and not field.metadata.get("flag"):

@@ -37,9 +37,11 @@ ARGS = [
 ]  # fmt: skip
 
 
-def env_for(reloads: Path) -> dict[str, str]:
-    """The fake vLLM first on the path; the engine's loads and reloads logged to `reloads`."""
-    return {"PYTHONPATH": f"{FAKE}:{REPO}", "FAKE_VLLM_RELOADS": str(reloads)}
+def env_for(reloads: Path, sleep: bool = False) -> dict[str, str]:
+    """The fake vLLM first on the path; the engine's loads and reloads logged to `reloads`;
+    `sleep`: vLLM's sleep mode available, as on a CUDA GPU."""
+    env = {"PYTHONPATH": f"{FAKE}:{REPO}", "FAKE_VLLM_RELOADS": str(reloads)}
+    return {**env, "FAKE_VLLM_SLEEP": "1"} if sleep else env
 
 
 @pytest.mark.slow
@@ -47,14 +49,20 @@ def test_a_colocated_run_syncs_in_memory_and_killed_anywhere_lands_on_the_uninte
     builtin_model, tmp_path
 ):
     reference = tmp_path / "reference"
-    done = run_uninterrupted(ARGS, reference, env=env_for(tmp_path / "ref_reloads.txt"))
+    env = env_for(tmp_path / "ref_reloads.txt", sleep=True)
+    done = run_uninterrupted(ARGS, reference, env=env)
     assert_learned(reference, builtin_model)
-    assert "colocated vLLM 0.32.0+fake in this process (float32)" in done.stdout
+    assert "colocated vLLM 0.32.0+fake in this process (float32); sleep mode" in done.stdout
     assert "--colocate: vLLM runs in this process" in done.stdout  # the plan says so
     reloads = (tmp_path / "ref_reloads.txt").read_text().splitlines()
-    # loaded once from the disk, then every update in memory, all tensors (the untied head too)
-    assert reloads[0].startswith("start ") and len(reloads) == 5, reloads
-    assert len({line for line in reloads[1:]}) == 1 and reloads[1].startswith("memory ")
+    # loaded once from the disk, then every update in memory, all tensors (the untied head too);
+    # asleep (weights discarded) from each rollout's samples to its update, which wakes the
+    # weights, reloads them, then wakes the KV cache
+    assert reloads[0].startswith("start ") and len(reloads) == 1 + 4 * 4, reloads
+    memory = reloads[3::4]
+    assert len(set(memory)) == 1 and memory[0].startswith("memory "), reloads
+    assert reloads[1::4] == ["sleep 2"] * 4 and reloads[2::4] == ["wake weights"] * 4, reloads
+    assert reloads[4::4] == ["wake kv_cache"] * 4, reloads
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     # the engine sampled with the trainer's weights at every rollout
     assert all(0 <= r["logprob_abs_diff"] < 1e-5 for r in records), records
@@ -65,7 +73,8 @@ def test_a_colocated_run_syncs_in_memory_and_killed_anywhere_lands_on_the_uninte
         Kill.at("save_after_model", 2),  # inside rollout 1's save
     ]
     save = tmp_path / "run"
-    outcomes = run_with_kills(ARGS, save, chain, env=env_for(tmp_path / "run_reloads.txt"))
+    env = env_for(tmp_path / "run_reloads.txt", sleep=True)
+    outcomes = run_with_kills(ARGS, save, chain, env=env)
     table = outcome_table(outcomes)
     assert [o.status for o in outcomes] == ["killed"] * len(chain), table
     assert all(o.resumed and not o.problems for o in outcomes), table
@@ -82,6 +91,8 @@ def test_a_colocated_run_syncs_in_memory_and_killed_anywhere_lands_on_the_uninte
         ([], {"FAKE_VLLM_FAIL": "load"}, "--colocate: vLLM could not load the model", "train"),
         ([], {}, "so their draws would interleave in an order no checkpoint can replay",
          "train-async"),
+        (["--offload-rollout"], {}, "which vLLM supports on CUDA, ROCm and XPU GPUs only",
+         "train"),
     ],
 )  # fmt: skip
 def test_a_colocated_setup_that_cannot_work_stops_in_one_line(
@@ -214,3 +225,12 @@ def test_tools_with_colocated_vllm_under_torchrun_are_refused_naming_why(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "colocated vLLM runs in every rank's process" in line and "would run the tools" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_offload_rollout_without_colocate_is_refused_naming_why():
+    from mileage.errors import UserError
+    from mileage.rollout.engines.config import EngineConfig
+
+    cfg = EngineConfig(rollout_engine="vllm", offload_rollout=True)
+    with pytest.raises(UserError, match="without --colocate vLLM or SGLang runs in a server"):
+        cfg.validate()

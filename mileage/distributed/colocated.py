@@ -80,6 +80,9 @@ class ColocatedOnEveryRank:
         local = self.engine.generate([prompts[i] for i in mine], params, part, group_size)
         return [c for share in env.all_gather_object(local) for c in share]
 
+    def release(self) -> None:
+        self.engine.release()
+
     def close(self) -> None:
         # vLLM's shutdown destroys the process group it joined: the ranks finish together first
         if dist.is_initialized():

@@ -58,6 +58,14 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
+def release_engine(run: Run) -> None:
+    """The rollout's samples are drawn: an engine that can give its memory to training until
+    the next update (colocated vLLM's sleep mode) does so."""
+    release = getattr(run.engine, "release", None)
+    if release is not None:
+        release()
+
+
 def sync_engine(run: Run) -> None:
     """Hand the trainer's weights to the engine; their version is the optimizer step."""
     if run.engine is not None:

@@ -15,7 +15,7 @@ from mileage.rollout.dynamic import sample_dynamic
 from mileage.rollout.partial import RoundGenerator, offpolicy_tokens, sample_partial
 from mileage.rollout.rewards.journaled import in_place
 from mileage.rollout.rollout import generate_samples, load_samples, save_samples
-from mileage.sources import Drawn, sync_engine
+from mileage.sources import Drawn, release_engine, sync_engine
 from mileage.training.batch import TrainBatch, mask_offpolicy
 from mileage.training.mismatch import apply_mismatch
 
@@ -28,7 +28,13 @@ class OnPolicySource:
         """Nothing of its own: dynamic sampling's buffer is a registered part of the run."""
 
     def draw(self, rollout_id: int) -> Drawn:
-        """The rollout's prompts, their samples, and (with dynamic sampling) how they were found."""
+        """The rollout's prompts, their samples, and (with dynamic sampling) how they were found;
+        the engine's memory then goes to training until the next update."""
+        drawn = self._draw(rollout_id)
+        release_engine(self.run)
+        return drawn
+
+    def _draw(self, rollout_id: int) -> Drawn:
         run = self.run
         rc = run.cfg.rollout
         if run.agent is not None and run.agent.user.rollout is not None:

@@ -56,6 +56,22 @@ def import_vllm():
     return vllm, TokensPrompt
 
 
+def sleep_mode(vllm, asked: bool | None) -> bool:
+    """Whether the engine sleeps while training runs (--offload-rollout): where vLLM's platform
+    supports it (CUDA, ROCm, XPU) unless --no-offload-rollout; asked for where it does not, one
+    line (exit 2)."""
+    from vllm.platforms import current_platform
+
+    available = bool(current_platform.is_sleep_mode_available())
+    if asked and not available:
+        raise UserError(
+            "--offload-rollout uses vLLM's sleep mode, which vLLM supports on CUDA, ROCm and "
+            f"XPU GPUs only (here: {vllm.__version__} on {current_platform.device_type or 'cpu'}); "
+            "drop the flag: on this machine the engine's memory stays allocated"
+        )
+    return available if asked is None else asked
+
+
 @contextlib.contextmanager
 def kept_rng() -> Iterator[None]:
     """The process's random states as they were before: vLLM seeds Python's, NumPy's and
@@ -108,6 +124,8 @@ class ColocatedVLLM:
         self.llm = None  # built at the first sync, from the trainer's weights
         self.weights = DiskWeights(cfg.rollout_weights_dir)
         self.weight_version = -1
+        self.sleeps = sleep_mode(self.vllm, cfg.offload_rollout)
+        self.asleep = False
 
     def _start(self, path: Path) -> None:
         try:
@@ -119,6 +137,7 @@ class ColocatedVLLM:
                     seed=0,
                     enforce_eager=True,
                     enable_prefix_caching=False,  # cached prefixes would outlive an update
+                    enable_sleep_mode=self.sleeps,
                     **(
                         {"distributed_executor_backend": "external_launcher"}
                         if self.external_launcher
@@ -130,7 +149,23 @@ class ColocatedVLLM:
                 f"--colocate: vLLM could not load the model ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''})"
             ) from None
-        self.log(f"colocated vLLM {self.vllm.__version__} in this process ({self.dtype})")
+        self.log(
+            f"colocated vLLM {self.vllm.__version__} in this process ({self.dtype}); "
+            + (
+                "sleep mode: its weights and KV cache are released while training runs"
+                if self.sleeps
+                else "no sleep mode: its weights and KV cache stay allocated"
+            )
+        )
+
+    def release(self) -> None:
+        """The rollout's generation is over: give the engine's memory to training until the
+        next update (vLLM's sleep level 2 discards weights and KV cache; every update hands
+        over all the weights anyway)."""
+        if self.sleeps and self.llm is not None and not self.asleep:
+            with kept_rng():
+                self.llm.sleep(level=2)
+            self.asleep = True
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         if self.llm is None:  # loaded once from the disk, with its own LM head
@@ -142,9 +177,17 @@ class ColocatedVLLM:
         self.weight_version = version
 
     def _reload(self, state: dict[str, torch.Tensor]) -> None:
+        """Every tensor of `state` into the engine; a sleeping engine takes its weights' memory
+        back first and its KV cache after (the order vLLM's RL users follow: the weights are
+        written before the cache competes for the memory)."""
         tensors = engine_tensors(state, DTYPES[self.dtype])
         with kept_rng():
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+            if self.asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+                self.asleep = False
 
     def load_full(self, config, state: dict[str, torch.Tensor], version: int, directory: str):
         """Under torchrun: `state`, the full values of the policy's shards (HF names, with an
@@ -166,8 +209,8 @@ class ColocatedVLLM:
         seed: SamplingSeed | RowSeeds | None = None,
         group_size: int = 1,
     ) -> list[Completion]:
-        if self.llm is None:
-            raise RuntimeError("ColocatedVLLM.generate before the first update_weights")
+        if self.llm is None or self.asleep:  # its weights were discarded: an update comes first
+            raise RuntimeError("ColocatedVLLM.generate before an update_weights")
         rows = [
             self.vllm.SamplingParams(
                 max_tokens=params.max_new_tokens,

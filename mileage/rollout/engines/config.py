@@ -73,6 +73,13 @@ class EngineConfig:
         "with --rollout-engine vllm: run vLLM's LLM class inside the trainer's process and "
         "hand it every weight update in memory, instead of launching a server (docs/engines.md)",
     )
+    offload_rollout: bool | None = option(
+        None,
+        "with --colocate: release the engine's weights and KV cache while training runs and take "
+        "them back for the next update and generation (vLLM's sleep mode, level 2; miles' "
+        "meaning). Default: on where vLLM supports sleep mode (CUDA), off elsewhere; "
+        "--offload-rollout where it does not exits 2",
+    )
     vllm_restarts: int = option(
         1,
         "times a launched vLLM server that died or stopped answering during a rollout is "
@@ -85,8 +92,15 @@ class EngineConfig:
             return (
                 "--colocate: vLLM runs in this process (under torchrun: in every rank's, each "
                 "sampling its share), loaded once from the trainer's weights written to the "
-                "disk, then every update in memory; vLLM's sleep mode is not used, so its "
-                "weights and KV cache stay allocated while training runs"
+                "disk, then every update in memory; "
+                + (
+                    "its weights and KV cache stay allocated while training runs "
+                    "(--no-offload-rollout)"
+                    if self.offload_rollout is False
+                    else "vLLM's sleep mode releases its weights and KV cache while training "
+                    "runs where vLLM supports it (CUDA GPUs), else they stay allocated (the "
+                    "engine's first line says which)"
+                )
             )
         if self.allow_nondeterministic_rollout and self.rollout_engine == "sglang":
             return (
@@ -112,6 +126,12 @@ class EngineConfig:
             raise UserError(
                 "--rollout-engine sglang needs --rollout-url (start servers with "
                 "`python -m sglang.launch_server` or `mileage serve`)"
+            )
+        if self.offload_rollout is not None and not self.colocate:
+            raise UserError(
+                "--offload-rollout / --no-offload-rollout release a colocated engine's memory "
+                "while training runs; without --colocate vLLM or SGLang runs in a server process "
+                "of its own: add --colocate or drop the flag"
             )
         if self.colocate and (self.rollout_engine != "vllm" or self.rollout_url):
             raise UserError(

@@ -6,7 +6,9 @@ As vLLM does, it seeds Python's, NumPy's and torch's global generators when it s
 draws from torch's while it generates, so a run is exact only if the engine keeps the trainer's
 random states. `reload_weights` takes a directory or an iterator of (HF name, tensor); names
 the iterator does not carry keep their values; each reload is appended to $FAKE_VLLM_RELOADS.
-$FAKE_VLLM_FAIL=load makes the model load fail.
+$FAKE_VLLM_FAIL=load makes the model load fail. Sleep mode (`vllm.platforms`: available with
+$FAKE_VLLM_SLEEP=1) behaves as level 2 does: `sleep` discards the weights (NaN here) and the KV
+cache, `wake_up` takes the memory back by tag, and generating before both are back fails.
 """
 
 from __future__ import annotations
@@ -74,9 +76,28 @@ class LLM:
         # fake server does
         self.server = EngineServer(tokenizer, precision, fp32_lm_head=False)
         self.server.update_weights({"model_path": model})
+        self.sleep_mode = kwargs.get("enable_sleep_mode", False)
+        self.asleep: set[str] = set()  # what sleep released and no wake_up took back yet
         _log(f"start {model}")
 
+    def sleep(self, level: int = 1) -> None:
+        assert self.sleep_mode and level == 2, (self.sleep_mode, level)
+        with torch.no_grad():
+            for tensor in self.server.engine.model.state_dict().values():
+                if tensor.is_floating_point():
+                    tensor.fill_(float("nan"))  # level 2 discards the weights
+        self.asleep = {"weights", "kv_cache"}
+        _log("sleep 2")
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        for tag in tags or ["weights", "kv_cache"]:
+            self.asleep.discard(tag)
+            _log(f"wake {tag}")
+        return not self.asleep
+
     def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[RequestOutput]:
+        if self.asleep:
+            raise RuntimeError(f"generate while asleep ({sorted(self.asleep)})")
         torch.rand(1)  # vLLM's sampler touches the global generator too
         outputs = []
         for prompt, params in zip(prompts, sampling_params, strict=True):
@@ -108,6 +129,8 @@ class LLM:
             self.server.update_weights({"model_path": kwargs["weights_path"]})
             _log(f"path {kwargs['weights_path']}")
             return [None]
+        if "weights" in self.asleep:
+            raise RuntimeError("reload_weights while the weights are asleep")
         model = self.server.engine.model
         params = model.state_dict()
         count = 0
