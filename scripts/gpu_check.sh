@@ -85,6 +85,20 @@ if $VPY -c 'import vllm' 2>/dev/null; then
       --rollout-batch-size 8 --n-samples-per-prompt 4 --eval-interval 0 --num-threads 1 \
       --save "$OUT/vllm" --vllm-args "--gpu-memory-utilization 0.3"
   echo "proved: vLLM on the GPU reloads the trained weights each rollout"
+  echo "== vLLM colocated in the trainer's process, asleep while training runs (--offload-rollout)"
+  # needs mileage in $VPY too (docs/engines.md: pip install --no-deps -e . into the vLLM env)
+  CARGS=(--rollout-engine vllm --colocate --offload-rollout --rollout-batch-size 8
+         --n-samples-per-prompt 4 --eval-interval 0 --num-threads 1 --save "$OUT/colocate"
+         --load "$OUT/colocate" --vllm-args "--gpu-memory-utilization 0.3")
+  $VPY -m mileage train "${CARGS[@]}" --num-rollout 2 | tee "$OUT/colocate.log"
+  $VPY -m mileage train "${CARGS[@]}" --num-rollout 3 | tee -a "$OUT/colocate.log"
+  # mem_get_info before and after the first sleep and wake of each launch: sleep frees memory
+  grep "colocated vLLM asleep: GPU memory free" "$OUT/colocate.log"
+  grep "colocated vLLM awake: GPU memory free" "$OUT/colocate.log"
+  grep "colocated vLLM asleep" "$OUT/colocate.log" | awk '{ if ($(NF-1) + 0 <= $(NF-3) + 0) exit 1 }'
+  grep -o '"logprob_abs_diff": [0-9.e-]*' "$OUT/colocate/metrics.jsonl"
+  $PY -m mileage ckpt verify "$OUT/colocate"
+  echo "proved: colocated vLLM on the GPU releases its memory while training runs (the GiB above), takes the weights in memory, and resumes"
 else
   echo "== vLLM not installed in $VPY: skipped"
 fi

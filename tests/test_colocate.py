@@ -234,3 +234,16 @@ def test_offload_rollout_without_colocate_is_refused_naming_why():
     cfg = EngineConfig(rollout_engine="vllm", offload_rollout=True)
     with pytest.raises(UserError, match="without --colocate vLLM or SGLang runs in a server"):
         cfg.validate()
+
+
+def test_vllm_args_with_colocate_take_only_the_gpu_share():
+    from mileage.errors import UserError
+    from mileage.rollout.engines.colocated import gpu_memory_utilization
+
+    assert gpu_memory_utilization("") == 0.3  # TRL's colocate default
+    assert gpu_memory_utilization("--gpu-memory-utilization 0.5") == 0.5
+    assert gpu_memory_utilization("--gpu-memory-utilization=0.45") == 0.45
+    with pytest.raises(UserError, match="must be in"):
+        gpu_memory_utilization("--gpu-memory-utilization 1.5")
+    with pytest.raises(UserError, match="only --gpu-memory-utilization applies"):
+        gpu_memory_utilization("--max-num-seqs 8")

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import os
 import random
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +55,40 @@ def import_vllm():
             "--colocate to launch a vLLM server from --vllm-python"
         ) from None
     return vllm, TokensPrompt
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def free_gpu_memory() -> float | None:
+    """GiB free on this process's GPU (None without one)."""
+    return torch.cuda.mem_get_info()[0] / 2**30 if on_gpu() else None
+
+
+def gpu_memory_utilization(vllm_args: str) -> float:
+    """The share of the GPU vLLM may take beside the trainer: `--gpu-memory-utilization` of
+    --vllm-args, else 0.3. The other `vllm serve` flags configure a server; refused here."""
+    words = shlex.split(vllm_args)
+    share = 0.3
+    while words:
+        word = words.pop(0)
+        if word.startswith("--gpu-memory-utilization"):
+            value = word.partition("=")[2] or (words.pop(0) if words else "")
+            try:
+                share = float(value)
+            except ValueError:
+                share = -1.0
+            if not 0.0 < share < 1.0:
+                raise UserError(
+                    f"--vllm-args: --gpu-memory-utilization must be in (0, 1), got {value!r}"
+                )
+            continue
+        raise UserError(
+            f"--vllm-args {word}: with --colocate vLLM runs in this process, where only "
+            "--gpu-memory-utilization applies (the rest configures a `vllm serve` server)"
+        )
+    return share
 
 
 def sleep_mode(vllm, asked: bool | None) -> bool:
@@ -126,6 +161,8 @@ class ColocatedVLLM:
         self.weight_version = -1
         self.sleeps = sleep_mode(self.vllm, cfg.offload_rollout)
         self.asleep = False
+        self.gpu_share = gpu_memory_utilization(cfg.vllm_args)
+        self.said_memory = False
 
     def _start(self, path: Path) -> None:
         try:
@@ -138,6 +175,8 @@ class ColocatedVLLM:
                     enforce_eager=True,
                     enable_prefix_caching=False,  # cached prefixes would outlive an update
                     enable_sleep_mode=self.sleeps,
+                    # on a GPU the trainer needs the rest (TRL's colocate default: 0.3)
+                    **({"gpu_memory_utilization": self.gpu_share} if on_gpu() else {}),
                     **(
                         {"distributed_executor_backend": "external_launcher"}
                         if self.external_launcher
@@ -163,9 +202,11 @@ class ColocatedVLLM:
         next update (vLLM's sleep level 2 discards weights and KV cache; every update hands
         over all the weights anyway)."""
         if self.sleeps and self.llm is not None and not self.asleep:
+            before = free_gpu_memory()
             with kept_rng():
                 self.llm.sleep(level=2)
             self.asleep = True
+            self._say_memory("asleep", before)
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         if self.llm is None:  # loaded once from the disk, with its own LM head
@@ -181,13 +222,23 @@ class ColocatedVLLM:
         back first and its KV cache after (the order vLLM's RL users follow: the weights are
         written before the cache competes for the memory)."""
         tensors = engine_tensors(state, DTYPES[self.dtype])
+        waking, before = self.asleep, free_gpu_memory()
         with kept_rng():
-            if self.asleep:
+            if waking:
                 self.llm.wake_up(tags=["weights"])
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
-            if self.asleep:
+            if waking:
                 self.llm.wake_up(tags=["kv_cache"])
                 self.asleep = False
+        if waking:
+            self._say_memory("awake", before)
+            self.said_memory = True  # once: the first sleep and wake of the run
+
+    def _say_memory(self, state: str, before: float | None) -> None:
+        """The GPU memory free before and after the first sleep and wake (mem_get_info)."""
+        after = free_gpu_memory()
+        if before is not None and after is not None and not self.said_memory:
+            self.log(f"colocated vLLM {state}: GPU memory free {before:.2f} -> {after:.2f} GiB")
 
     def load_full(self, config, state: dict[str, torch.Tensor], version: int, directory: str):
         """Under torchrun: `state`, the full values of the policy's shards (HF names, with an
