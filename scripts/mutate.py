@@ -2498,6 +2498,18 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "colocate-woken-without-its-cache",
+        "the colocated engine's update wakes its weights after sleep mode but not its KV cache: "
+        "the next rollout's generation has no cache to run in",
+        "mileage/rollout/engines/colocated.py",
+        '                self.llm.wake_up(tags=["kv_cache"])\n',
+        "                pass\n",
+        (
+            "tests/test_colocate.py::"
+            "test_a_colocated_run_syncs_in_memory_and_killed_anywhere_lands_on_the_uninterrupted_run",
+        ),
+    ),
+    Mutant(
         "ahead-rollout-functions-draw-at-once",
         "train-async runs the user's rollout function of a slot without waiting for the slot "
         "before it: two slots draw from the data at once, in an order set by timing",
