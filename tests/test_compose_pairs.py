@@ -106,7 +106,6 @@ def test_a_user_rollout_function_ahead_killed_anywhere_lands_on_the_uninterrupte
         Kill.at("async_generating", 2),  # inside the function's slot, in the thread
         Kill.at("commit_before_tracker", 2),
         Kill.at("after_generate", 2),  # a slot returned, the data moved, nothing saved
-        Kill.at("optimizer_step", 2),
     ]
     save = tmp_path / "run"
     assert_lands_on(reference, save, run_with_kills(args, save, chain, subcommand="train-async"))
@@ -134,7 +133,6 @@ def test_partial_rollout_ahead_killed_anywhere_lands_on_the_uninterrupted_run(
         Kill.at("async_generating", 3),  # inside a round, groups in flight
         Kill.at("commit_before_tracker", 2),
         Kill.at("after_generate", 2),
-        Kill.at("optimizer_step", 2),
     ]
     save = tmp_path / "run"
     assert_lands_on(reference, save, run_with_kills(args, save, chain, subcommand="train-async"))
