@@ -32,8 +32,8 @@ from mileage.distributed.background import BackgroundGeneration
 from mileage.faults import fault_point
 from mileage.rollout.buffer import Group, RolloutBuffer
 from mileage.rollout.dynamic import judge
-from mileage.rollout.rollout import generate_samples, save_samples
-from mileage.sources.on_policy import round_generator
+from mileage.rollout.rollout import save_samples
+from mileage.sources.on_policy import generate_with, round_generator
 
 
 @dataclass
@@ -115,18 +115,7 @@ class Producer:
 
     def _samples(self, engine, slot: int, prompts) -> list:
         """`prompts`' scored groups, seeded by `slot` (the run's own generation)."""
-        run = self.run
-        return generate_samples(
-            engine,
-            run.encode,
-            prompts,
-            run.sampling,
-            run.cfg.rollout.n_samples_per_prompt,
-            run.reward_fn,
-            run.cfg.loop.seed,
-            slot,
-            run.agent,
-        )
+        return generate_with(engine, self.run, slot, prompts)
 
     def _chained(
         self,
