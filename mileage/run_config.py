@@ -421,9 +421,10 @@ class RunConfig:
         if dynamic.mask_offpolicy_in_partial_rollout:
             raise UserError(
                 "--mask-offpolicy-in-partial-rollout trains only the tokens of the trainer's "
-                "current weights; train-async trains tokens of older weights by design (all of "
-                "them one step off) and corrects each for the weights that wrote it "
-                "(--off-policy-correction): drop the mask, or mask with `mileage train`"
+                "current weights; train-async trains tokens of older weights by design (one "
+                "step off, or up to --max-weight-staleness) and corrects each for the weights "
+                "that wrote it (--off-policy-correction): drop the mask, or mask with "
+                "`mileage train`"
             )
         if dynamic.over_sampling_batch_size is not None:
             raise UserError(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mileage.async_config import AsyncConfig
-from mileage.rollout.buffer import RolloutBuffer
+from mileage.rollout.buffer import RolloutBuffer, split_groups
 from mileage.rollout.prompts import Prompt
 from mileage.rollout.rollout import Sample, inadmissible, load_samples
 from mileage.training.losses import ppo_clip_loss
@@ -61,8 +61,8 @@ def test_admission_rule_refuses_future_and_too_old_versions():
 def test_buffer_takes_in_submission_order_and_round_trips_exactly_through_json():
     buffer = RolloutBuffer()
     odd = -0.1 / 3.0  # a float whose repr must round-trip
-    buffer.put(0, 0, [sample(i // 2, 0, odd) for i in range(4)], n=2)
-    buffer.put(1, 1, [sample(10 + i // 2, 2) for i in range(4)], n=2)
+    buffer.groups.extend(split_groups(0, 0, [sample(i // 2, 0, odd) for i in range(4)], 2))
+    buffer.groups.extend(split_groups(1, 1, [sample(10 + i // 2, 2) for i in range(4)], 2))
     buffer.next_slot = 2
     restored = RolloutBuffer()
     restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
@@ -76,8 +76,8 @@ def test_buffer_takes_in_submission_order_and_round_trips_exactly_through_json()
 @pytest.mark.parametrize("handler", ["drop", "retry"])
 def test_groups_staler_than_the_bound_are_dropped_or_retried(handler):
     buffer = RolloutBuffer()
-    buffer.put(0, 0, [sample(i // 2, 0) for i in range(4)], n=2)
-    buffer.put(1, 2, [sample(10 + i // 2, 4) for i in range(4)], n=2)
+    buffer.groups.extend(split_groups(0, 0, [sample(i // 2, 0) for i in range(4)], 2))
+    buffer.groups.extend(split_groups(1, 2, [sample(10 + i // 2, 4) for i in range(4)], 2))
     taken, stale = buffer.take(2, trained=2, max_staleness=1, handler=handler)
     assert [g.prompt.index for g in taken] == [10, 11]
     assert [g.prompt.index for g in stale] == [0, 1] and buffer.dropped == 2

@@ -14,7 +14,7 @@ import pytest
 from mileage.checkpoint.layout import checkpoint_path, read_tracker
 from mileage.checkpoint.store import TRAINER_STATE
 from mileage.errors import UserError
-from mileage.rollout.buffer import STATE_KEY, RolloutBuffer
+from mileage.rollout.buffer import STATE_KEY, RolloutBuffer, split_groups
 from mileage.rollout.data import Prompt, PromptSource
 from mileage.rollout.dynamic import (
     MILES_NONZERO_STD,
@@ -111,7 +111,9 @@ def test_the_buffer_round_trips_through_json_with_its_leftover_groups():
 
 def test_a_buffer_filter_takes_what_it_removes_and_leaves_the_rest_in_its_order():
     buffer = RolloutBuffer()
-    buffer.put(3, 1, [Sample(p, [1], [2], [0.0], "x", 1.0, True) for p in prompts(4)], 1)
+    buffer.groups.extend(
+        split_groups(3, 1, [Sample(p, [1], [2], [0.0], "x", 1.0, True) for p in prompts(4)], 1)
+    )
 
     def newest_two_reversed(config, rollout_id, groups, count):
         taken = [groups.pop(), groups.pop()]  # the newest first

@@ -34,6 +34,11 @@ class Group:
         return self.samples[0].prompt
 
 
+def split_groups(slot: int, policy_rollouts: int, samples: list[Sample], n: int) -> list[Group]:
+    """A finished slot's groups: its samples, `n` consecutive per prompt."""
+    return [Group(slot, policy_rollouts, samples[i : i + n]) for i in range(0, len(samples), n)]
+
+
 class RolloutBuffer:
     """Generated-but-untrained groups in submission order, plus what the producer owes."""
 
@@ -52,11 +57,6 @@ class RolloutBuffer:
         # train-async with --dynamic-sampling-filter-path: groups the filter dropped as their
         # slot was collected, by reason, over the whole run
         self.filtered: dict[str, int] = {}
-
-    def put(self, slot: int, policy_rollouts: int, samples: list[Sample], n: int) -> None:
-        """A finished slot: its samples, `n` consecutive per prompt."""
-        for start in range(0, len(samples), n):
-            self.groups.append(Group(slot, policy_rollouts, samples[start : start + n]))
 
     def take(
         self, count: int, trained: int, max_staleness: int | None, handler: str

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from mileage.components import Run
 from mileage.distributed.background import BackgroundGeneration
 from mileage.faults import fault_point
-from mileage.rollout.buffer import Group, RolloutBuffer
+from mileage.rollout.buffer import Group, RolloutBuffer, split_groups
 from mileage.rollout.dynamic import judge
 from mileage.rollout.rollout import save_samples
 from mileage.sources.on_policy import generate_with, round_generator
@@ -189,9 +189,9 @@ class Producer:
         if rc.save_debug_rollout_data:
             save_samples(rc.save_debug_rollout_data, slot, samples)
         n = rc.n_samples_per_prompt
-        groups = result.groups
-        if groups is None:
-            groups = [Group(slot, policy, samples[i : i + n]) for i in range(0, len(samples), n)]
+        groups = (
+            result.groups if result.groups is not None else split_groups(slot, policy, samples, n)
+        )
         keep = self.run.group_filter
         for group in groups:
             # dynamic sampling: judged as the slot is collected, in submission order, so what
