@@ -145,7 +145,6 @@ def engine_tensors(
 
 class ColocatedVLLM:
     in_process = False  # log-probs come from vLLM's kernels: the trainer recomputes them
-    needs_untied_head = True  # directories written for it under torchrun carry their own head
 
     # under torchrun: vLLM joins the trainer's process group, one engine per rank
     external_launcher = False
