@@ -2,10 +2,11 @@
 
     python scripts/build_builtin_model.py [--task addition] [--check]
 
-Runs the deterministic warm-up of `mileage/rollout/builtin_model.py` (about a minute on 2 threads) and
+Runs the deterministic warm-up of `mileage/rollout/builtin_model.py`, which is `mileage sft` with the
+recipe's flags (mileage/rollout/builtin_warmup.py; about three minutes on 2 threads), and
 writes `mileage/models/builtin/TASK.safetensors` (fp32, as `save_pretrained` writes it) and
 `TASK.json` (recipe, steps, accuracy, sha256, and the CPU and libraries that built it). Then pin
-the printed sha256 in `SHIPPED_WEIGHTS` in tiny.py. Run it after changing the recipe, the
+the printed sha256 in `SHIPPED_WEIGHTS` in mileage/rollout/builtin_model.py. Run it after changing the recipe, the
 architecture or the task; otherwise users would all receive the same old weights, which is the
 point.
 

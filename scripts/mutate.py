@@ -120,7 +120,9 @@ DYNAMIC_ACCOUNT = (
     f"{DYNAMIC}::test_no_trained_group_has_equal_rewards_and_every_drawn_prompt_is_accounted"
 )
 TOOL_TASK = "tests/test_tool_task.py"
-TOOL_TASK_LABELS = f"{TOOL_TASK}::test_warmup_labels_skip_the_prompt_and_the_tool_result"
+TOOL_TASK_LABELS = (
+    f"{TOOL_TASK}::test_warmup_trains_the_call_and_answer_not_the_prompt_or_the_tool_result"
+)
 TOOL_TASK_RUN = f"{TOOL_TASK}::test_two_rollouts_end_to_end_with_masked_tool_tokens"
 DYNAMIC_CRASH = (
     f"{DYNAMIC}::test_kills_between_rounds_and_in_the_save_resume_to_the_uninterrupted_run"
@@ -719,6 +721,18 @@ MUTANTS = [
         "        if file_sha256(weights) == expected:\n",
         "        if True:\n",
         (BUILTIN,),
+    ),
+    Mutant(
+        "builtin-warmup-exports-the-first-check",
+        "the built-in warm-up exports its first checked checkpoint, not the one it stopped at, so "
+        "a warm-up checked more often ships an earlier model",
+        "mileage/rollout/builtin_warmup.py",
+        '        _mileage("export-hf", "--load", str(work / "sft"), "--out", str(out))\n',
+        '        _mileage("export-hf", "--load", str(work / "sft"), "--out", str(out), '
+        '"--ckpt-step", str(recipe["check_every"]))\n',
+        (
+            f"{BUILTIN}::test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked",
+        ),
     ),
     Mutant(
         "bench-out-suffix-always-added",
@@ -1779,9 +1793,9 @@ MUTANTS = [
     Mutant(
         "tool-task-warmup-trains-the-tool-output",
         "the addition-tool warm-up trains the model to write the calculator's result",
-        "mileage/rollout/builtin_model.py",
-        "labels += piece if trained else [-100] * len(piece)",
-        "labels += piece",
+        "mileage/rollout/builtin_warmup.py",
+        '{"role": "assistant" if trained else "tool", "content": text}',
+        '{"role": "assistant", "content": text}',
         (TOOL_TASK_LABELS,),
     ),
     Mutant(

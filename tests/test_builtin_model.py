@@ -18,6 +18,7 @@ from mileage.rollout.builtin_model import (
     WARMUP_RECIPE,
     build_builtin_weights,
     builtin_model_dir,
+    builtin_tokenizer,
     ensure_builtin_model,
     file_sha256,
     greedy_accuracy,
@@ -34,12 +35,13 @@ SHORT_STEPS = 10
 
 @pytest.fixture
 def short_recipe(monkeypatch):
-    """A 10-step recipe with two accuracy checks for the builds below (the full one takes a
-    minute; the shipped model above is the full one)."""
+    """A 10-step recipe with one accuracy check for the builds below (the full one takes
+    minutes; the shipped model above is the full one)."""
     monkeypatch.setitem(WARMUP_RECIPE, "max_steps", SHORT_STEPS)
     monkeypatch.setitem(WARMUP_RECIPE, "target_accuracy", 2.0)  # never reached: every step runs
     monkeypatch.setitem(WARMUP_RECIPE, "batch_size", 32)
-    monkeypatch.setitem(WARMUP_RECIPE, "check_every", 5)
+    monkeypatch.setitem(WARMUP_RECIPE, "warmup_steps", 4)
+    monkeypatch.setitem(WARMUP_RECIPE, "check_every", SHORT_STEPS)
     monkeypatch.setitem(WARMUP_RECIPE, "check_size", 16)
 
 
@@ -73,7 +75,7 @@ def test_a_fresh_home_unpacks_it_without_training_and_repairs_a_damaged_cache(
     builtin_model, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("MILEAGE_HOME", str(tmp_path))
-    monkeypatch.setattr(tiny, "warm_up", _no_training)
+    monkeypatch.setattr(tiny, "sft_warm_up", _no_training)
     logs: list[str] = []
     target = ensure_builtin_model("addition", log=logs.append)
     assert logs == [] and target == builtin_model_dir("addition")
@@ -108,7 +110,7 @@ def test_damaged_shipped_weights_are_refused_in_one_line(damage, tmp_path, monke
         weights.unlink()
     monkeypatch.setattr(tiny, "SHIPPED_DIR", shipped)
     monkeypatch.setenv("MILEAGE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(tiny, "warm_up", _no_training)
+    monkeypatch.setattr(tiny, "sft_warm_up", _no_training)
     expected = "missing from this install" if damage == "missing" else "is damaged"
     with pytest.raises(UserError, match=expected) as caught:
         ensure_builtin_model("addition", log=lambda *_: None)
@@ -117,34 +119,53 @@ def test_damaged_shipped_weights_are_refused_in_one_line(damage, tmp_path, monke
 
 
 def test_the_maintainer_build_loads_as_the_shipped_model(short_recipe, tmp_path, monkeypatch):
-    """scripts/build_builtin_model.py's function (the warm-up shared with the local build, whose
-    determinism the test below checks), then pinned and shipped from its output."""
+    """scripts/build_builtin_model.py's function (the `mileage sft` warm-up shared with the local
+    build, whose determinism the test below checks), then pinned and shipped from its output."""
     built = build_builtin_weights("addition", tmp_path / "a", log=lambda *_: None)
     sha = file_sha256(built)
     info = json.loads((tmp_path / "a" / "addition.json").read_text())
     assert info["sha256"] == sha and info["steps"] == SHORT_STEPS and info["built_on"]["cpu"]
     assert sorted(p.name for p in built.parent.iterdir()) == ["addition.json", built.name]
+    logs: list[str] = []
+    monkeypatch.setitem(WARMUP_RECIPE, "check_every", SHORT_STEPS // 2)
+    checked_twice = build_builtin_weights("addition", tmp_path / "b", log=logs.append)
+    assert [line.split()[:3] for line in logs] == [
+        ["warm-up", "step", "5"],
+        ["warm-up", "step", "10"],
+    ]
+    assert checked_twice.read_bytes() == built.read_bytes()
     monkeypatch.setattr(tiny, "SHIPPED_DIR", tmp_path / "a")
     monkeypatch.setitem(SHIPPED_WEIGHTS, "addition", sha)
     monkeypatch.setenv("MILEAGE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(tiny, "warm_up", _no_training)
+    monkeypatch.setattr(tiny, "sft_warm_up", _no_training)
     target = ensure_builtin_model("addition", log=lambda *_: None)
     assert target.name == f"tiny-addition-{sha[:12]}"
     assert (target / "model.safetensors").read_bytes() == built.read_bytes()
 
 
-def test_a_task_that_is_not_shipped_is_built_here_deterministically(
+def test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked(
     short_recipe, tmp_path, monkeypatch
 ):
+    """Built in two homes: checked once, and checked every 5 steps, where the warm-up runs
+    `mileage sft` twice (5 rollouts, then raised to 10). The same bytes: the accuracy checks
+    resume the run, they do not change it."""
     assert "reversal" not in SHIPPED_WEIGHTS
     builds, logs = [], []
-    for name in ("one", "two"):
+    for name, every in (("once", SHORT_STEPS), ("twice", SHORT_STEPS // 2)):
+        monkeypatch.setitem(WARMUP_RECIPE, "check_every", every)
         monkeypatch.setenv("MILEAGE_HOME", str(tmp_path / name))
+        logs.clear()
         built = ensure_builtin_model("reversal", log=logs.append)
         info = json.loads((built / "mileage_builtin.json").read_text())
         assert info["steps"] == SHORT_STEPS and info["source"] == "built here"
+        checks = [line.split()[2] for line in logs if line.startswith("  warm-up step")]
+        assert checks == [str(s) for s in range(every, SHORT_STEPS + 1, every)], logs
         builds.append((built / "model.safetensors").read_bytes())
     assert builds[0] == builds[1]
     assert "not across CPU instruction sets" in logs[0]
-    monkeypatch.setattr(tiny, "warm_up", _no_training)  # the second call finds it cached
+    model, tokenizer = load_causal_lm(built), load_tokenizer(built)
+    assert tokenizer("ab=")["input_ids"] == builtin_tokenizer("reversal")("ab=")["input_ids"]
+    assert not getattr(tokenizer, "chat_template", None)  # only the tool task's SFT data needs one
+    assert sum(p.numel() for p in model.parameters()) > 3_000_000
+    monkeypatch.setattr(tiny, "sft_warm_up", _no_training)  # the second call finds it cached
     assert ensure_builtin_model("reversal", log=logs.append) == built

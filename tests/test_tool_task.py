@@ -240,20 +240,35 @@ def test_two_rollouts_end_to_end_with_masked_tool_tokens(tool_model, cli, tmp_pa
             assert set(s["loss_mask"] or [1]) == {1}
 
 
-def test_warmup_labels_skip_the_prompt_and_the_tool_result():
-    from mileage.rollout.builtin_model import _demonstration, builtin_tokenizer
+def test_warmup_trains_the_call_and_answer_not_the_prompt_or_the_tool_result():
+    """The warm-up's conversation records, encoded as `mileage sft` encodes them (with the
+    template the warm-up gives the tokenizer): the prompt's ids are a rollout's, and only the
+    call and the answer are trained."""
+    import copy
 
-    tokenizer = builtin_tokenizer("addition-tool")
+    from mileage.rollout.builtin_model import builtin_tokenizer
+    from mileage.rollout.builtin_warmup import PLAIN_TEMPLATE, sft_records
+    from mileage.rollout.prompts import prompt_from_record
+    from mileage.rollout.rollout import PromptEncoder
+    from mileage.rollout.sft import sft_sample
+
+    tokenizer = copy.deepcopy(builtin_tokenizer("addition-tool"))
+    tokenizer.chat_template = PLAIN_TEMPLATE
+    encode = PromptEncoder(tokenizer, chat_template=False)
     record = {"prompt": "4821+3907=", "label": "8728"}
-    segments = tool_task.warmup_segments(record, True, tokenizer.eos_token)
-    ids, labels = _demonstration(tokenizer, {**record, "segments": segments})
-    text = "<bos>4821+3907=[4821+3907]<eos>{8728}8728<eos>"
-    assert tokenizer.decode(ids) == text
-    learned = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != -100])
-    assert learned == "[4821+3907]<eos>8728<eos>"
-    assert [label for label in labels if label != -100] == [
-        t for t, label in zip(ids, labels, strict=True) if label != -100
-    ]
-    # a record without segments is the plain answer, as the other tasks' warm-up always was
-    ids, labels = _demonstration(tokenizer, record)
-    assert tokenizer.decode([t for t in labels if t != -100]) == "8728<eos>"
+    records = sft_records("addition-tool", [record] * 40, tokenizer.eos_token)
+    shapes = {len(r["messages"]) for r in records}
+    assert shapes == {2, 4}  # some answer directly, some call the calculator first
+    for r in records:
+        prompt = prompt_from_record(0, r, "messages", "label", "test")
+        sample = sft_sample(prompt, encode, tokenizer.eos_token_id)
+        assert sample.prompt_ids == tokenizer(record["prompt"])["input_ids"]  # as RL encodes it
+        text = tokenizer.decode(sample.response_ids)
+        learned = tokenizer.decode(
+            [t for t, m in zip(sample.response_ids, sample.loss_mask, strict=True) if m]
+        )
+        if len(r["messages"]) == 4:
+            assert text == "[4821+3907]<eos>{8728}8728<eos>"
+            assert learned == "[4821+3907]<eos>8728<eos>"
+        else:
+            assert text == learned == "8728<eos>"
