@@ -729,7 +729,7 @@ MUTANTS = [
         "mileage/rollout/builtin_warmup.py",
         '        _mileage("export-hf", "--load", str(work / "sft"), "--out", str(out))\n',
         '        _mileage("export-hf", "--load", str(work / "sft"), "--out", str(out), '
-        '"--ckpt-step", str(recipe["check_every"]))\n',
+        '"--ckpt-step", str(recipe["check_every"] - 1))\n',
         (
             f"{BUILTIN}::test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked",
         ),
