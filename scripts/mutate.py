@@ -735,6 +735,17 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "builtin-warmup-passes-fault-points-on",
+        "a run that builds a built-in model on first use passes its fault-injection variables to "
+        "the warm-up's `mileage sft`, which then dies at the point aimed at the run",
+        "mileage/rollout/builtin_warmup.py",
+        'if k == "MILEAGE_HOME" or not k.startswith("MILEAGE_")',
+        "if True",
+        (
+            f"{BUILTIN}::test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked",
+        ),
+    ),
+    Mutant(
         "bench-out-suffix-always-added",
         "the benchmarks' --out gets .json appended even when it has it (x.json.json)",
         "bench/_common.py",

@@ -142,6 +142,9 @@ def test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked
     `mileage sft` twice (5 rollouts, then raised to 10). The same bytes: the accuracy checks
     resume the run, they do not change it."""
     assert "reversal" not in SHIPPED_WEIGHTS
+    # a run killed at a fault point builds the model on first use: the point aims at that run,
+    # not at the warm-up's `mileage sft` (which would die there at its first step)
+    monkeypatch.setenv("MILEAGE_KILL_AT", "after_train")
     builds, logs = [], []
     for name, every in (("once", SHORT_STEPS), ("twice", SHORT_STEPS // 2)):
         monkeypatch.setitem(WARMUP_RECIPE, "check_every", every)
@@ -161,3 +164,16 @@ def test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked
     assert sum(p.numel() for p in model.parameters()) > 3_000_000
     monkeypatch.setattr(tiny, "sft_warm_up", _no_training)  # the second call finds it cached
     assert ensure_builtin_model("reversal", log=logs.append) == built
+
+
+def test_a_warm_up_that_fails_says_so_in_one_line(short_recipe, tmp_path, monkeypatch):
+    monkeypatch.setitem(WARMUP_RECIPE, "batch_size", 0)
+    monkeypatch.setenv("MILEAGE_HOME", str(tmp_path))
+    with pytest.raises(UserError) as caught:
+        ensure_builtin_model("reversal", log=lambda *_: None)
+    said = str(caught.value)
+    assert (
+        said.startswith("the built-in model's warm-up: mileage sft failed: ") and "\n" not in said
+    )
+    assert "--rollout-batch-size" in said, said
+    assert list((tmp_path / "builtin").iterdir()) == []  # nothing half-made is cached

@@ -32,7 +32,6 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from mileage.errors import UserError
 from mileage.models import tiny
-from mileage.models.hf import load_causal_lm
 from mileage.models.tiny import build_char_tokenizer, mileage_home, tiny_llama_config
 from mileage.rollout import tool_task
 from mileage.rollout.builtin_warmup import sft_warm_up
@@ -141,23 +140,20 @@ def build_warmed_up_model(task: str, work: Path, log=print) -> tuple[Path, dict]
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(recipe["threads"])  # the checks, as the runs they measure
     try:
-        out, steps, accuracy = sft_warm_up(
+        out, steps, checked = sft_warm_up(
             task, model, tokenizer, train, recipe, work, check_fn, log=log
         )
-        info = {"task": task, **recipe, "steps": steps, "accuracy": accuracy}
-        if task == tool_task.TASK:
-            # the provenance records the warmed policy as RL finds it
-            model = load_causal_lm(out)
-            tool_path, accuracy, tool_rate = check_fn(
-                model, tokenizer, train[: recipe["check_size"]]
-            )
-            info |= {
-                "accuracy": accuracy,
-                "greedy_tool_use_rate": tool_rate,
-                "greedy_accuracy_calling_the_tool": tool_path,
-            }
     finally:
         torch.set_num_threads(previous_threads)
+    info = {"task": task, **recipe, "steps": steps, "accuracy": checked[0]}
+    if task == tool_task.TASK:
+        # the provenance records the warmed policy as RL finds it: its accuracy as it chooses
+        tool_path, accuracy, tool_rate = checked
+        info |= {
+            "accuracy": accuracy,
+            "greedy_tool_use_rate": tool_rate,
+            "greedy_accuracy_calling_the_tool": tool_path,
+        }
     return out, info
 
 

@@ -77,12 +77,26 @@ def sft_flags(task: str, recipe: dict, work: Path) -> list[str]:
     ]  # fmt: skip
 
 
+# a command may take minutes on a slow machine; one that takes this long has hung
+COMMAND_TIMEOUT_S = 3600
+
+
 def _mileage(*args: str) -> str:
-    """Run one mileage command; its stdout, or one line naming what failed."""
-    env = {**os.environ, "PYTHONPATH": str(Path(mileage.__file__).resolve().parents[1])}
-    done = subprocess.run(
-        [sys.executable, "-m", "mileage", *args], capture_output=True, text=True, env=env
-    )
+    """Run one mileage command; its stdout, or one line naming what failed. The fault-injection
+    variables of a run that builds the model on first use are not passed on: they aim at it."""
+    env = {
+        k: v for k, v in os.environ.items() if k == "MILEAGE_HOME" or not k.startswith("MILEAGE_")
+    }
+    env["PYTHONPATH"] = str(Path(mileage.__file__).resolve().parents[1])
+    command = [sys.executable, "-m", "mileage", *args]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=COMMAND_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"the built-in model's warm-up: mileage {args[0]} ran past {COMMAND_TIMEOUT_S} s"
+        ) from None
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
         raise UserError(f"the built-in model's warm-up: mileage {args[0]} failed: {lines[-1]}")
@@ -98,9 +112,10 @@ def sft_warm_up(
     work: Path,
     check_fn: Callable,
     log: Callable[[str], None] = print,
-) -> tuple[Path, int, float]:
-    """Warm `model` (its initialisation) up with `mileage sft` in `work` until `check_fn` reaches
-    the target or `max_steps` ran; returns (the exported HF directory, steps, accuracy)."""
+) -> tuple[Path, int, tuple[float, ...]]:
+    """Warm `model` (its initialisation) up with `mileage sft` in `work` until `check_fn`'s first
+    value reaches the target or `max_steps` ran; returns (the exported HF directory, steps, what
+    `check_fn` measured last, as a tuple)."""
     init = work / "init"
     model.save_pretrained(init)
     saved = copy.deepcopy(tokenizer)
@@ -120,11 +135,12 @@ def sft_warm_up(
         _mileage("export-hf", "--load", str(work / "sft"), "--out", str(out))
         trained = load_causal_lm(out)
         checked = check_fn(trained, tokenizer, check)
-        accuracy, *rest = checked if isinstance(checked, tuple) else (checked,)
+        checked = checked if isinstance(checked, tuple) else (checked,)
+        accuracy, *rest = checked
         loss = [line for line in printed.splitlines() if line.startswith("rollout ")]
         said = loss[-1].split(" | ")[1] if loss else ""
         extra = "".join(f" / {value:.3f}" for value in rest)
         log(f"  warm-up step {steps}  {said}  accuracy {accuracy:.3f}{extra}")
         if (target is not None and accuracy >= target) or steps >= recipe["max_steps"]:
-            return out, steps, accuracy
+            return out, steps, checked
         shutil.rmtree(out)
