@@ -160,7 +160,6 @@ def test_n2_train_async_equals_one_process_and_resumes_bit_for_bit(
     gradient norms up to the summation order (test_distributed's tolerances); killed on
     either rank, including while slot 1 generates, the run resumes to the uninterrupted one
     bit for bit."""
-    import torch
 
     from mileage.checkpoint.layout import checkpoint_path
     from mileage.checkpoint.tensors import MODEL_DIR, load_tensors
@@ -193,13 +192,22 @@ def test_n2_train_async_equals_one_process_and_resumes_bit_for_bit(
         # the training on them: one process's up to the summation order, as test_distributed
         for key in ("grad_norm", "entropy", "ppo_kl", "logprob_abs_diff"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-9), key
-    # and the weights, to test_distributed's fp32 tolerance
+    # and the weights, to test_distributed's fp32 tolerance (1e-6) but for a few elements: after
+    # two AdamW steps an element whose gradient is near 0 has an update of about a fraction of lr
+    # (1e-4) whatever the gradient's size, so the summation order's last bits can move it by
+    # ~3e-6 (1 of 65536 in one tensor, measured); a wrongly averaged shard moves most by ~lr
     for rollout_id in (0, 1):
         mine = load_tensors(checkpoint_path(reference, rollout_id) / MODEL_DIR)
         one = load_tensors(checkpoint_path(single, rollout_id) / MODEL_DIR)
         assert mine.keys() == one.keys()
         for name, value in mine.items():
-            torch.testing.assert_close(value, one[name], rtol=0, atol=1e-6)
+            apart = (value - one[name]).abs()
+            assert apart.max() <= 1e-5 and (apart > 1e-6).float().mean() <= 1e-3, (
+                rollout_id,
+                name,
+                apart.max().item(),
+                int((apart > 1e-6).sum()),
+            )
 
     kills = [
         Kill.at("async_generating", 2, rank=0),  # slot 1 generating on rank 0 while 0 trains
