@@ -118,45 +118,33 @@ def test_damaged_shipped_weights_are_refused_in_one_line(damage, tmp_path, monke
     assert list((tmp_path / "home" / "builtin").iterdir()) == []  # nothing half-made is cached
 
 
-def test_the_maintainer_build_loads_as_the_shipped_model(short_recipe, tmp_path, monkeypatch):
-    """scripts/build_builtin_model.py's function (the `mileage sft` warm-up shared with the local
-    build, whose determinism the test below checks), then pinned and shipped from its output."""
-    built = build_builtin_weights("addition", tmp_path / "a", log=lambda *_: None)
-    sha = file_sha256(built)
-    info = json.loads((tmp_path / "a" / "addition.json").read_text())
-    assert info["sha256"] == sha and info["steps"] == SHORT_STEPS and info["built_on"]["cpu"]
-    assert sorted(p.name for p in built.parent.iterdir()) == ["addition.json", built.name]
-    monkeypatch.setattr(tiny, "SHIPPED_DIR", tmp_path / "a")
-    monkeypatch.setitem(SHIPPED_WEIGHTS, "addition", sha)
-    monkeypatch.setenv("MILEAGE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(tiny, "sft_warm_up", _no_training)
-    target = ensure_builtin_model("addition", log=lambda *_: None)
-    assert target.name == f"tiny-addition-{sha[:12]}"
-    assert (target / "model.safetensors").read_bytes() == built.read_bytes()
-
-
-def test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked(
+def test_a_build_is_the_same_however_often_checked_and_ships_as_built(
     short_recipe, tmp_path, monkeypatch
 ):
-    """Built in two homes: checked once, and checked every 5 steps, where the warm-up runs
-    `mileage sft` twice (5 rollouts, then raised to 10). The same bytes: the accuracy checks
-    resume the run, they do not change it."""
+    """A task that is not shipped, built twice: by scripts/build_builtin_model.py's function with
+    one accuracy check, and on first use in a home with a check every 5 steps, where the warm-up
+    runs `mileage sft` twice (5 rollouts, then raised to 10). The same bytes: the checks resume
+    the run, they do not change it. Then pinned and shipped, it unpacks as built."""
     assert "reversal" not in SHIPPED_WEIGHTS
+    maintainer = build_builtin_weights("reversal", tmp_path / "a", log=lambda *_: None)
+    sha = file_sha256(maintainer)
+    info = json.loads((tmp_path / "a" / "reversal.json").read_text())
+    assert info["sha256"] == sha and info["steps"] == SHORT_STEPS and info["built_on"]["cpu"]
+    assert sorted(p.name for p in maintainer.parent.iterdir()) == ["reversal.json",
+                                                                    maintainer.name]  # fmt: skip
     # a run killed at a fault point builds the model on first use: the point aims at that run,
     # not at the warm-up's `mileage sft` (which would die there at its first step)
     monkeypatch.setenv("MILEAGE_KILL_AT", "after_train")
-    builds, logs = [], []
-    for name, every in (("once", SHORT_STEPS), ("twice", SHORT_STEPS // 2)):
-        monkeypatch.setitem(WARMUP_RECIPE, "check_every", every)
-        monkeypatch.setenv("MILEAGE_HOME", str(tmp_path / name))
-        logs.clear()
-        built = ensure_builtin_model("reversal", log=logs.append)
-        info = json.loads((built / "mileage_builtin.json").read_text())
-        assert info["steps"] == SHORT_STEPS and info["source"] == "built here"
-        checks = [line.split()[2] for line in logs if line.startswith("  warm-up step")]
-        assert checks == [str(s) for s in range(every, SHORT_STEPS + 1, every)], logs
-        builds.append((built / "model.safetensors").read_bytes())
-    assert builds[0] == builds[1]
+    every = SHORT_STEPS // 2
+    monkeypatch.setitem(WARMUP_RECIPE, "check_every", every)
+    monkeypatch.setenv("MILEAGE_HOME", str(tmp_path / "home"))
+    logs: list[str] = []
+    built = ensure_builtin_model("reversal", log=logs.append)
+    info = json.loads((built / "mileage_builtin.json").read_text())
+    assert info["steps"] == SHORT_STEPS and info["source"] == "built here"
+    checks = [line.split()[2] for line in logs if line.startswith("  warm-up step")]
+    assert checks == [str(s) for s in range(every, SHORT_STEPS + 1, every)], logs
+    assert (built / "model.safetensors").read_bytes() == maintainer.read_bytes()
     assert "not across CPU instruction sets" in logs[0]
     model, tokenizer = load_causal_lm(built), load_tokenizer(built)
     assert tokenizer("ab=")["input_ids"] == builtin_tokenizer("reversal")("ab=")["input_ids"]
@@ -164,6 +152,13 @@ def test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked
     assert sum(p.numel() for p in model.parameters()) > 3_000_000
     monkeypatch.setattr(tiny, "sft_warm_up", _no_training)  # the second call finds it cached
     assert ensure_builtin_model("reversal", log=logs.append) == built
+    # shipped: a fresh home unpacks the maintainer's file, verified, without training
+    monkeypatch.setattr(tiny, "SHIPPED_DIR", tmp_path / "a")
+    monkeypatch.setitem(SHIPPED_WEIGHTS, "reversal", sha)
+    monkeypatch.setenv("MILEAGE_HOME", str(tmp_path / "shipped-home"))
+    target = ensure_builtin_model("reversal", log=lambda *_: None)
+    assert target.name == f"tiny-reversal-{sha[:12]}"
+    assert (target / "model.safetensors").read_bytes() == maintainer.read_bytes()
 
 
 def test_a_warm_up_that_fails_says_so_in_one_line(short_recipe, tmp_path, monkeypatch):

@@ -15,14 +15,27 @@ from mileage.testing.kills import PPO_SAVE_POINTS, Kill, ppo_crash_run_args
 
 NUM_ROLLOUT = 4
 
+# The commit's points around the critic's part: the actor's optimizer written and no critic, the
+# critic's weights without its optimizer, the critic complete before the trainer state, the state
+# complete before the tracker, and committed. The commit itself loops over the registry whatever
+# the parts, so the points between the actor's own files are test_crash_anywhere's.
+CRITIC_COMMIT_POINTS = (
+    "save_after_optimizer",
+    "save_after_critic_model",
+    "save_after_critic",
+    "save_after_state",
+    "commit_before_tracker",
+)
+
 # Kills in the order the run reaches them (the hit counts restart with every launch):
 # rollout 0 (critic only) dies after logging, then after its commit; rollout 1 (the first actor
-# step, which needs the critic's restored counters) dies at every point of its commit in commit
-# order, then commits; then kills inside rollouts 2 and 3.
+# step, which needs the critic's restored counters) dies at each point above in commit order,
+# then commits; then kills inside rollouts 2 and 3.
 CHAIN = (
     Kill.at("after_metrics"),
     Kill.at("commit_after_tracker"),
-    *(Kill.at(point) for point in PPO_SAVE_POINTS if point != "save_after_prune"),
+    *(Kill.at(point) for point in CRITIC_COMMIT_POINTS),
+    Kill.at("commit_after_tracker"),
     Kill.at("save_after_prune"),
     Kill.at("optimizer_step", 2),
     Kill.at("after_train"),
@@ -45,11 +58,12 @@ def ppo_chain(ppo_reference, tmp_path_factory):
     return save, outcomes
 
 
-def test_ppo_chain_reaches_every_point_of_the_actor_critic_commit():
-    points = {kill.point for kill in CHAIN}
-    assert set(PPO_SAVE_POINTS) <= points and {"save_after_critic_model", "save_after_critic"} <= (
-        points
-    )
+def test_ppo_chain_kills_around_the_critic_s_part_of_the_commit():
+    assert {"save_after_critic_model", "save_after_critic"} < set(PPO_SAVE_POINTS)
+    assert [p for p in PPO_SAVE_POINTS if p in CRITIC_COMMIT_POINTS] == list(CRITIC_COMMIT_POINTS)
+    # each neighbour of the critic's two points is killed at too
+    at = PPO_SAVE_POINTS.index("save_after_critic_model")
+    assert set(PPO_SAVE_POINTS[at - 1 : at + 3]) <= {kill.point for kill in CHAIN}
 
 
 def test_every_ppo_kill_killed_mid_run_and_resumed_where_committed(ppo_chain):
@@ -57,9 +71,8 @@ def test_every_ppo_kill_killed_mid_run_and_resumed_where_committed(ppo_chain):
     table = outcome_table(outcomes)
     assert all(o.died and o.intact and o.resumed and not o.problems for o in outcomes), table
     # the critic-only rollout 0 was committed before the kills of rollout 1's commit
-    assert [o.rollout for o in outcomes[2 : 2 + len(PPO_SAVE_POINTS) - 1]] == [1] * (
-        len(PPO_SAVE_POINTS) - 1
-    ), table
+    rollout_1 = len(CRITIC_COMMIT_POINTS) + 1
+    assert [o.rollout for o in outcomes[2 : 2 + rollout_1]] == [1] * rollout_1, table
 
 
 def test_killed_ppo_run_equals_the_uninterrupted_one_actor_and_critic(ppo_reference, ppo_chain):
