@@ -731,7 +731,7 @@ MUTANTS = [
         '        _mileage("export-hf", "--load", str(work / "sft"), "--out", str(out), '
         '"--ckpt-step", str(recipe["check_every"] - 1))\n',
         (
-            f"{BUILTIN}::test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked",
+            f"{BUILTIN}::test_a_build_is_the_same_however_often_checked_and_ships_as_built",
         ),
     ),
     Mutant(
@@ -742,7 +742,7 @@ MUTANTS = [
         'if k == "MILEAGE_HOME" or not k.startswith("MILEAGE_")',
         "if True",
         (
-            f"{BUILTIN}::test_a_task_that_is_not_shipped_is_built_here_the_same_however_often_checked",
+            f"{BUILTIN}::test_a_build_is_the_same_however_often_checked_and_ships_as_built",
         ),
     ),
     Mutant(
