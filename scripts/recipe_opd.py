@@ -1,14 +1,17 @@
 """On-policy distillation against plain GRPO on the built-in task, side by side over seeds.
 
     python scripts/recipe_opd.py [OUT_DIR]          (default runs/recipe_opd)
-    python scripts/recipe_opd.py OUT --seeds 1 2 3 --opd-rollouts 50 --kl-coef 1.0
+    python scripts/recipe_opd.py OUT --seeds 1 2 3 --opd-rollouts 50 --kl-coef 1.0 \
+        --opd-recipe "--global-batch-size 32 --lr-decay-style cosine --rollout-temperature 0.7"
 
 The teacher is the README's demo run (`mileage train`, 150 GRPO rollouts, its default seed),
 trained into OUT/teacher unless it is there. Then, for each seed, two arms start together from
 the shipped built-in model, each pinned to its own core with one thread and evaluated every 10
 rollouts on the 500 held-out sums: `grpo` (the demo's flags, 150 rollouts) and `opd` (the same
 flags, the same task reward, plus `--use-opd --opd-type fsdp --opd-teacher-load OUT/teacher`,
-`--opd-rollouts` rollouts).
+`--opd-rollouts` rollouts, and the `--opd-recipe` flags). With `--opd-recipe`, a third arm
+`recipe` runs those flags without the teacher for `--opd-rollouts` rollouts: what the recipe
+alone buys.
 
 Reported (OUT/summary.json): per seed, each arm's held-out accuracy curve, the first evaluation
 at which OPD reaches GRPO's final accuracy, the per-rollout reverse KL to the teacher, and the
@@ -68,13 +71,15 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--opd-rollouts", type=int, default=GRPO_ROLLOUTS // 3)
     ap.add_argument("--kl-coef", default="1.0")
+    ap.add_argument("--opd-recipe", default="", help="flags of the OPD arm beyond the demo's")
     ap.add_argument("--cores", default="0,1")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     teacher = ensure_teacher(out)
+    recipe = args.opd_recipe.split()
     opd = ["--use-opd", "--opd-type", "fsdp", "--opd-teacher-load", str(teacher),
-           "--opd-kl-coef", args.kl_coef]  # fmt: skip
+           "--opd-kl-coef", args.kl_coef, *recipe]  # fmt: skip
     cores = args.cores.split(",")
     seeds, all_grpo, all_opd = {}, [], []
     for seed in args.seeds:
@@ -82,9 +87,13 @@ def main() -> None:
         seed_dir.mkdir(exist_ok=True)
         flags = [*BASE, "--seed", str(seed)]
         if not (seed_dir / "grpo" / "latest_checkpointed_iteration.txt").exists():
-            run_arms(seed_dir, [("grpo", cores[0], flags, GRPO_ROLLOUTS),
-                                ("opd", cores[1], [*flags, *opd], args.opd_rollouts)],
-                     stop_with_first=False)  # fmt: skip
+            # the short arms share the second core while GRPO runs on the first (one thread
+            # each: the results do not depend on the timing)
+            arms = [("grpo", cores[0], flags, GRPO_ROLLOUTS),
+                    ("opd", cores[1], [*flags, *opd], args.opd_rollouts)]  # fmt: skip
+            if recipe:
+                arms.append(("recipe", cores[1], [*flags, *recipe], args.opd_rollouts))
+            run_arms(seed_dir, arms, stop_with_first=False)
         grpo_curve, opd_curve = curve(seed_dir / "grpo"), curve(seed_dir / "opd")
         target = grpo_curve[GRPO_ROLLOUTS]
         reached = next((n for n, acc in sorted(opd_curve.items()) if n and acc >= target), None)
@@ -95,6 +104,7 @@ def main() -> None:
         seeds[seed] = {
             "grpo_curve": grpo_curve,
             "opd_curve": opd_curve,
+            **({"recipe_curve": curve(seed_dir / "recipe")} if recipe else {}),
             "grpo_final": target,
             "opd_reaches_grpo_final_at": reached,
             "opd_reverse_kl": [round(r["opd_reverse_kl"], 4) for r in records(seed_dir / "opd")],
@@ -107,6 +117,7 @@ def main() -> None:
         "grpo_rollouts": GRPO_ROLLOUTS,
         "opd_rollouts": args.opd_rollouts,
         "opd_kl_coef": float(args.kl_coef),
+        "opd_recipe": args.opd_recipe,
         "seeds": seeds,
         "opd_minus_grpo_all_seeds": paired(all_opd, all_grpo),
     }
