@@ -110,6 +110,7 @@ def main() -> None:
             "opd_reverse_kl": [round(r["opd_reverse_kl"], 4) for r in records(seed_dir / "opd")],
             "greedy_score": {"grpo": sum(grpo) / len(grpo), "opd": sum(distilled) / len(distilled)},
             "opd_minus_grpo": paired(distilled, grpo),
+            "greedy_items": {"grpo": grpo, "opd": distilled},  # to pool any subset of seeds
         }
         print(json.dumps({seed: seeds[seed]["opd_minus_grpo"]}), flush=True)
     summary = {
