@@ -730,9 +730,7 @@ MUTANTS = [
         '        _mileage("export-hf", "--load", str(work / "sft"), "--out", str(out))\n',
         '        _mileage("export-hf", "--load", str(work / "sft"), "--out", str(out), '
         '"--ckpt-step", str(recipe["check_every"] - 1))\n',
-        (
-            f"{BUILTIN}::test_a_build_is_the_same_however_often_checked_and_ships_as_built",
-        ),
+        (f"{BUILTIN}::test_a_build_is_the_same_however_often_checked_and_ships_as_built",),
     ),
     Mutant(
         "builtin-warmup-passes-fault-points-on",
@@ -741,9 +739,7 @@ MUTANTS = [
         "mileage/rollout/builtin_warmup.py",
         'if k == "MILEAGE_HOME" or not k.startswith("MILEAGE_")',
         "if True",
-        (
-            f"{BUILTIN}::test_a_build_is_the_same_however_often_checked_and_ships_as_built",
-        ),
+        (f"{BUILTIN}::test_a_build_is_the_same_however_often_checked_and_ships_as_built",),
     ),
     Mutant(
         "bench-out-suffix-always-added",
