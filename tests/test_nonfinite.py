@@ -102,3 +102,19 @@ def test_skipping_nonfinite_steps_is_counted_and_capped(saved_once, tmp_path):
     assert done.returncode == 2, done.stderr
     assert "--max-nonfinite-skips 0" in done.stderr
     assert_last_good_kept(save)
+
+
+def test_the_fused_check_names_the_first_bad_tensor_and_passes_overflowing_finite_ones():
+    import torch
+
+    from mileage.training.finite import first_nonfinite
+
+    ones, nan = torch.ones(3), torch.tensor([1.0, float("nan")])
+    half_inf = torch.tensor([float("-inf")], dtype=torch.float16)
+    assert first_nonfinite([("ones", ones), ("nan", nan), ("inf", half_inf)]) == "nan"
+    assert first_nonfinite([("ints", torch.tensor([1, 2])), ("inf", half_inf)]) == "inf"
+    # finite elements whose squares overflow fp32: the norm is inf, the tensor is finite
+    big = torch.full((4,), 3e19)
+    assert first_nonfinite([("big", big), ("ones", ones), ("none", None)]) is None
+    assert first_nonfinite([("big", big), ("nan", nan)]) == "nan"
+    assert first_nonfinite([("empty", torch.empty(0))]) is None
