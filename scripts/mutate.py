@@ -306,7 +306,7 @@ MUTANTS = [
     Mutant(
         "positivity-check-removed",
         "count and length flags are no longer checked for > 0",
-        "mileage/run_config.py",
+        "mileage/cross_checks.py",
         "if value is not None and (value <= 0 if positive else value < 0):",
         "if value is not None and not positive and value < 0:",
         (ERRORS,),
@@ -314,9 +314,9 @@ MUTANTS = [
     Mutant(
         "response-len-unchecked",
         "--rollout-max-response-len is dropped from the positive flags",
-        "mileage/run_config.py",
-        '        ("rollout", "n_samples_per_prompt"),\n        ("rollout", "rollout_max_response_len"),\n        ("loop", "num_threads"),\n',
-        '        ("rollout", "n_samples_per_prompt"),\n        ("loop", "num_threads"),\n',
+        "mileage/cross_checks.py",
+        '    ("rollout", "n_samples_per_prompt"),\n    ("rollout", "rollout_max_response_len"),\n    ("loop", "num_threads"),\n',
+        '    ("rollout", "n_samples_per_prompt"),\n    ("loop", "num_threads"),\n',
         (ERRORS,),
     ),
     Mutant(

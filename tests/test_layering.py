@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("distributed", ("distributed",)),
     (
         "drivers",
-        ("run_config", "async_config", "preflight", "build", "components", "sources", "loop", "plot",
+        ("run_config", "cross_checks", "async_config", "preflight", "build", "components", "sources", "loop", "plot",
          "serve"),
     ),
     ("cli", ("cli", "__main__", "testing")),

@@ -30,7 +30,7 @@ def check_sft_loss(loss_type: str) -> None:
 
 
 def check_sft_run(cfg: RunConfig) -> None:
-    """What `mileage sft` refuses beyond `RunConfig.validate`: the flags that say how samples
+    """What `mileage sft` refuses beyond `cross_checks.check_run`: the flags that say how samples
     are generated or how rewards become advantages, which a run of the data's own answers has
     none of (one line, exit 2)."""
     check_sft_loss(cfg.algo.loss_type)
