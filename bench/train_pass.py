@@ -144,3 +144,7 @@ def padded_batch(rows: list, prompt_len: int):
         torch.zeros(n),
         prompt_lens=prompt_lens,
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
