@@ -7,10 +7,11 @@ that faulted in 4 KiB at a time: 532,000 page faults in one SmolLM2 8x8x32 bf16 
 (135,000 with this), and 31 million in the README's demo command, which took 1 min 33 s against
 33 s with this (docs/benchmarks.md §1, §7). With mmap and the trim off, freed blocks stay in
 the heap and the next step reuses them. The cost is peak RSS: memory one phase frees stays in
-the process for the next (+22 % on the demo, +1-2 % on SmolLM2 in bf16, +12 % in fp32, where glibc's
-way took 1.2x the time; docs/benchmarks.md §1), flat over a run. `MALLOC_MMAP_THRESHOLD_=131072` in the
-environment gives glibc's own behaviour back, trading that time for that memory. PyTorch's CPU
-tuning guide reaches the same end with jemalloc or tcmalloc preloaded; this needs no library.
+the process for the next (+22 % on the demo, +1-2 % on SmolLM2 in bf16, +12 % in fp32, where
+glibc's way took 1.2x the time; docs/benchmarks.md §1), flat over a run.
+`MALLOC_MMAP_THRESHOLD_=131072` in the environment gives glibc's own behaviour back, trading
+that time for that memory. PyTorch's CPU tuning guide reaches the same end with jemalloc or
+tcmalloc preloaded; this needs no library.
 
 Only the `mileage` process itself does this (`cli.main.run`), not code importing mileage. A
 user who tunes malloc through the environment (`MALLOC_*`, `GLIBC_TUNABLES`, a preloaded
