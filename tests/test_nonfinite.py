@@ -104,7 +104,7 @@ def test_skipping_nonfinite_steps_is_counted_and_capped(saved_once, tmp_path):
     assert_last_good_kept(save)
 
 
-def test_the_fused_check_names_the_first_bad_tensor_and_passes_overflowing_finite_ones():
+def test_the_check_names_the_first_bad_tensor_and_passes_overflowing_finite_ones():
     import torch
 
     from mileage.training.finite import first_nonfinite

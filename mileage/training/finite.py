@@ -56,21 +56,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def first_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first floating tensor holding a NaN or inf on this rank, or None."""
-    floating = [
-        (name, _local(tensor).detach())
-        for name, tensor in tensors
-        if tensor is not None and torch.is_floating_point(tensor)
-    ]
-    # One fused read first: a norm is NaN or inf whenever one element is, so a finite total
-    # clears them all. isfinite per tensor makes four passes and a bool copy (SmolLM2's weights,
-    # checked after every rollout: 0.36 s against 0.09 s, bench/finite_check.py). A non-finite
-    # total can also be finite elements whose squares overflow; the element-wise check decides.
-    if not floating or math.isfinite(
-        float(torch.nn.utils.get_total_norm([t for _, t in floating]))
-    ):
-        return None
-    for name, tensor in floating:
-        if not bool(torch.isfinite(tensor).all()):
+    for name, tensor in tensors:
+        if tensor is None or not torch.is_floating_point(tensor):
+            continue
+        if not bool(torch.isfinite(_local(tensor)).all()):
             return name
     return None
 
