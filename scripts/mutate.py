@@ -2038,6 +2038,18 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "chunked-head-left-to-the-cast-cache",
+        "the chunked LM head leaves its weight's bf16 cast to autocast's cache, so whether the "
+        "chunks share one cast depends on autocast in other threads",
+        "mileage/training/logprobs.py",
+        "    weight, bias = _autocast_once(head.weight, head.bias, chunk_tokens >= 0 and rows > chunk_tokens)",
+        "    weight, bias = head.weight, head.bias",
+        (
+            "tests/test_shared_prompt.py::"
+            "test_bf16_gradients_do_not_depend_on_autocast_in_other_threads",
+        ),
+    ),
+    Mutant(
         "allocator-tuning-overrides-the-users",
         "the mileage process turns glibc's mmap off even where the user tuned malloc",
         "mileage/allocator.py",

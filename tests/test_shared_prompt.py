@@ -102,9 +102,11 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
-def _logprobs_and_grads(model, batch, weights):
+def _logprobs_and_grads(model, batch, weights, chunk_tokens: int = -1):
     model.zero_grad(set_to_none=True)
-    logp, entropy = sequence_logprobs(model, batch, 0.7, with_entropy=True)
+    logp, entropy = sequence_logprobs(
+        model, batch, 0.7, with_entropy=True, chunk_tokens=chunk_tokens
+    )
     ((logp * weights).sum() + 0.3 * (entropy * weights).sum()).backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     return logp.detach(), entropy.detach(), grads
@@ -223,16 +225,23 @@ def test_sharded_parameters_mean_one_plain_forward(tiny_hf):
         assert shared_prompt_logprobs(sharded, batch, 1.0) is None
 
 
-def test_bf16_gradients_do_not_depend_on_autocast_in_other_threads(tiny_hf):
+@pytest.mark.parametrize(
+    ("shared", "chunk_tokens"),
+    [(True, -1), (False, 4)],
+    ids=["shared-prompt", "plain-forward-chunked-head"],
+)
+def test_bf16_gradients_do_not_depend_on_autocast_in_other_threads(tiny_hf, shared, chunk_tokens):
     """train-async generates in a thread beside training. autocast empties its cast cache when
-    any thread leaves its last context, so a cached cast shared by both passes (their gradients
-    summed in bf16) or one cast per pass depended on the other thread: gradients changed from
-    step to step. Each pass casts for itself."""
+    any thread leaves its last context, so a weight cast once and shared by several uses (their
+    gradients summed in bf16) or cast again per use depended on the other thread: gradients
+    changed from step to step. Each shared-prompt pass casts for itself; the chunked LM head
+    casts its weight once for all chunks (`mileage.training.logprobs._autocast_once`)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_hf)
     set_precision(model, BF16)
     beside = copy.deepcopy(model).eval()
     batch, samples = _batch(GROUPS)
+    batch = batch if shared else _plain(batch)
     weights = _response_columns(batch, samples)
     stop = threading.Event()
 
@@ -246,8 +255,11 @@ def test_bf16_gradients_do_not_depend_on_autocast_in_other_threads(tiny_hf):
     thread.start()
     try:
         grads = {
-            tuple(float(g.double().sum()) for g in _logprobs_and_grads(model, batch, weights)[2])
-            for _ in range(100)
+            tuple(
+                float(g.double().sum())
+                for g in _logprobs_and_grads(model, batch, weights, chunk_tokens)[2]
+            )
+            for _ in range(50)
         }
     finally:
         stop.set()

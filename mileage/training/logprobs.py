@@ -153,7 +153,8 @@ def head_logprobs(
     width = hidden.shape[-1]
     flat, flat_targets = hidden.reshape(-1, width), targets.reshape(-1)
     rows = flat.shape[0]
-    args = (head.weight, head.bias, temperature, with_entropy, entropy_grad)
+    weight, bias = _autocast_once(head.weight, head.bias, chunk_tokens >= 0 and rows > chunk_tokens)
+    args = (weight, bias, temperature, with_entropy, entropy_grad)
     if chunk_tokens < 0 or rows <= chunk_tokens:
         out = _chunk_logprobs(flat, flat_targets, *args)
     else:
@@ -173,6 +174,28 @@ def head_logprobs(
     # backward on that tensor; on a view an in-place op would drop the hook (torch warns at every
     # step). [..., 1 or 2] floats per token: small beside the logits never kept
     return out.reshape(*targets.shape, out.shape[-1]).clone()
+
+
+def _autocast_once(
+    weight: torch.Tensor, bias: torch.Tensor | None, chunked: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's weight and bias as the chunks multiply by them: under autocast with its cast
+    cache, cast once here, so every chunk shares one cast (and its gradients sum in autocast's
+    dtype before the fp32 weight), as a quiet process's cache gives them.
+
+    Left to the cache, whether a later chunk found the first one's cast depended on other
+    threads: autocast's cache is one per process and empties whenever any thread leaves its
+    last autocast context (train-async's generation thread does at every generated batch), and a
+    chunk that missed it cast again, with its gradient reaching the weight in fp32. SmolLM2's
+    head (tied to the embedding) then got other gradients from step to step. Without the cache
+    (`autocast(..., cache_casts=False)`) each chunk casts for itself, and nothing depends on
+    other threads either."""
+    device = weight.device.type
+    if not (chunked and torch.is_autocast_enabled(device) and torch.is_autocast_cache_enabled()):
+        return weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    cast = [t if t is None or t.dtype != torch.float32 else t.to(dtype) for t in (weight, bias)]
+    return cast[0], cast[1]
 
 
 def _chunk_logprobs(hidden, targets, weight, bias, temperature, with_entropy, entropy_grad):

@@ -21,7 +21,8 @@ weight; without it, each pass's gradient reaches the fp32 weight on its own. Whi
 happened depended on autocast in other threads (a model's autocast forwards in a thread beside
 training gave 17 distinct gradients in 30 identical steps; with none, or with only tiny autocast
 matmuls beside it, 1), so `train-async`, which generates beside training, did not resume bit
-for bit. How torch's cache reaches across threads was not pinned down.
+for bit. The cache is one per process and empties whenever any thread leaves its last autocast
+context; the chunked LM head meets the same in `mileage.training.logprobs._autocast_once`.
 """
 
 from __future__ import annotations
