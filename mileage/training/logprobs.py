@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from mileage.models.lm_head import hidden_head, on_hidden
 
@@ -36,19 +35,7 @@ class TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, with_entropy, entropy_grad):
-        vocab = logits.shape[-1]
-        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1, 1)
-        rows = flat.shape[0]
-        norm = torch.empty(rows, dtype=_compute_dtype(logits), device=logits.device)
-        logp = torch.empty_like(norm)
-        entropy = torch.empty_like(norm) if with_entropy else None
-        for block in _blocks(rows, vocab):
-            x = _scaled_fp32(flat[block], temperature)
-            norm[block] = torch.logsumexp(x, dim=-1)
-            logp[block] = x.gather(-1, flat_targets[block]).squeeze(-1) - norm[block]
-            if with_entropy:
-                log_probs = x.sub_(norm[block].unsqueeze(-1))
-                entropy[block] = -(log_probs.exp() * log_probs).sum(-1)
+        logp, entropy, norm = logprob_values(logits, targets, temperature, with_entropy)
         keep_entropy = entropy if with_entropy and entropy_grad else None
         ctx.save_for_backward(logits, targets, norm, keep_entropy)
         ctx.temperature = temperature
@@ -64,32 +51,69 @@ class TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, targets, norm, entropy = ctx.saved_tensors
-        vocab = logits.shape[-1]
-        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1, 1)
-        if grad_logp is not None:
-            grad_logp = grad_logp.reshape(-1, 1)
-        if entropy is None:
-            grad_entropy = None
+        grad = logits_grad(logits, targets, norm, entropy, grad_logp, grad_entropy, ctx.temperature)
+        return grad, None, None, None, None
+
+
+def logprob_values(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(log p(target), entropy or None, log-normaliser) per row of `logits`, flattened."""
+    vocab = logits.shape[-1]
+    flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1, 1)
+    rows = flat.shape[0]
+    norm = torch.empty(rows, dtype=_compute_dtype(logits), device=logits.device)
+    logp = torch.empty_like(norm)
+    entropy = torch.empty_like(norm) if with_entropy else None
+    for block in _blocks(rows, vocab):
+        x = _scaled_fp32(flat[block], temperature)
+        norm[block] = torch.logsumexp(x, dim=-1)
+        logp[block] = x.gather(-1, flat_targets[block]).squeeze(-1) - norm[block]
+        if with_entropy:
+            log_probs = x.sub_(norm[block].unsqueeze(-1))
+            entropy[block] = -(log_probs.exp() * log_probs).sum(-1)
+    return logp, entropy, norm
+
+
+def logits_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    norm: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    in_place: bool = False,
+) -> torch.Tensor:
+    """The gradient of (log p(target), entropy) with respect to `logits`, in their dtype, from
+    each row's normaliser `norm` (and `entropy`, None when it carries no gradient); written
+    over `logits` with `in_place` (each block is read before it is written)."""
+    vocab = logits.shape[-1]
+    flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1, 1)
+    if grad_logp is not None:
+        grad_logp = grad_logp.reshape(-1, 1)
+    if entropy is None:
+        grad_entropy = None
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.reshape(-1, 1)
+    grad = flat if in_place else torch.empty_like(flat)
+    for block in _blocks(flat.shape[0], vocab):
+        log_probs = _scaled_fp32(flat[block], temperature).sub_(norm[block].unsqueeze(-1))
+        probs = log_probs.exp()
         if grad_entropy is not None:
-            grad_entropy = grad_entropy.reshape(-1, 1)
-        grad = torch.empty_like(flat)
-        for block in _blocks(flat.shape[0], vocab):
-            log_probs = _scaled_fp32(flat[block], ctx.temperature).sub_(norm[block].unsqueeze(-1))
-            probs = log_probs.exp()
-            if grad_entropy is not None:
-                # H = -sum_j p_j log p_j, so dH/dx_k = -p_k (log p_k + H)
-                g = log_probs.add_(entropy[block].unsqueeze(-1)).mul_(probs)
-                g.mul_(-grad_entropy[block])
-            else:
-                g = torch.zeros_like(probs)
-            if grad_logp is not None:
-                # log p_t = x_t - logsumexp(x): d/dx_k = [k == t] - p_k
-                g.sub_(probs * grad_logp[block])
-                g.scatter_add_(-1, flat_targets[block], grad_logp[block])
-            if ctx.temperature not in (0.0, 1.0):
-                g.div_(ctx.temperature)
-            grad[block] = g
-        return grad.view_as(logits), None, None, None, None
+            # H = -sum_j p_j log p_j, so dH/dx_k = -p_k (log p_k + H)
+            g = log_probs.add_(entropy[block].unsqueeze(-1)).mul_(probs)
+            g.mul_(-grad_entropy[block])
+        else:
+            g = torch.zeros_like(probs)
+        if grad_logp is not None:
+            # log p_t = x_t - logsumexp(x): d/dx_k = [k == t] - p_k
+            g.sub_(probs * grad_logp[block])
+            g.scatter_add_(-1, flat_targets[block], grad_logp[block])
+        if temperature not in (0.0, 1.0):
+            g.div_(temperature)
+        grad[block] = g
+    return grad.view_as(logits)
 
 
 def token_logprobs(
@@ -158,18 +182,7 @@ def head_logprobs(
     if chunk_tokens < 0 or rows <= chunk_tokens:
         out = _chunk_logprobs(flat, flat_targets, *args)
     else:
-        recompute = torch.is_grad_enabled() and (flat.requires_grad or head.weight.requires_grad)
-        pieces = []
-        for start in range(0, rows, chunk_tokens):
-            part = (flat[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens])
-            if recompute:  # the backward recomputes this chunk's logits instead of keeping them
-                piece = checkpoint(
-                    _chunk_logprobs, *part, *args, use_reentrant=False, preserve_rng_state=False
-                )
-            else:
-                piece = _chunk_logprobs(*part, *args)
-            pieces.append(piece)
-        out = torch.cat(pieces)
+        out = ChunkedHead.apply(flat, flat_targets, *args, chunk_tokens)
     # a copy, not a view: this is the output of a sharded model's forward, and FSDP2 hooks its
     # backward on that tensor; on a view an in-place op would drop the hook (torch warns at every
     # step). [..., 1 or 2] floats per token: small beside the logits never kept
@@ -196,6 +209,84 @@ def _autocast_once(
     dtype = torch.get_autocast_dtype(device)
     cast = [t if t is None or t.dtype != torch.float32 else t.to(dtype) for t in (weight, bias)]
     return cast[0], cast[1]
+
+
+class ChunkedHead(torch.autograd.Function):
+    """`_chunk_logprobs` a chunk of rows at a time: a chunk's logits exist only while it is
+    computed, in the forward and again in the backward, where every chunk's gradient of the
+    weight is added into one buffer.
+
+    Each chunk as a checkpointed autograd node of its own gave each its own weight-sized
+    gradient, and autograd summed the first two out of place: three at once, 324 MiB of SmolLM2's
+    fp32 head at the training pass's peak. The backward recomputes each chunk's logits under the
+    autocast the forward ran in, so they are the forward's bits."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, weight, bias, temperature, with_entropy, entropy_grad, chunk):
+        spans = [
+            slice(a, min(a + chunk, hidden.shape[0])) for a in range(0, hidden.shape[0], chunk)
+        ]
+        pieces, norms, entropies = [], [], []
+        for span in spans:
+            logits = F.linear(hidden[span], weight, bias)
+            logp, entropy, norm = logprob_values(logits, targets[span], temperature, with_entropy)
+            pieces.append(
+                logp.unsqueeze(-1) if entropy is None else torch.stack([logp, entropy], -1)
+            )
+            norms.append(norm)
+            entropies.append(entropy)
+        keep_entropy = torch.cat(entropies) if with_entropy and entropy_grad else None
+        ctx.save_for_backward(hidden, targets, weight, bias, torch.cat(norms), keep_entropy)
+        ctx.spans, ctx.temperature = spans, temperature
+        device = hidden.device.type
+        ctx.autocast = {
+            "device_type": device,
+            "dtype": torch.get_autocast_dtype(device),
+            "enabled": torch.is_autocast_enabled(device),
+            "cache_enabled": torch.is_autocast_cache_enabled(),
+        }
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, targets, weight, bias, norm, entropy = ctx.saved_tensors
+        need_hidden, _, need_weight, need_bias = ctx.needs_input_grad[:4]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = grad_bias = None
+        for span in reversed(ctx.spans):  # the order autograd summed checkpointed chunks in
+            with torch.autocast(**ctx.autocast):
+                logits = F.linear(hidden[span], weight, bias)
+            grad = logits_grad(
+                logits,
+                targets[span],
+                norm[span],
+                None if entropy is None else entropy[span],
+                grad_out[span, 0],
+                grad_out[span, 1] if entropy is not None else None,
+                ctx.temperature,
+                in_place=True,  # the recomputed logits are not needed after
+            )
+            used = grad.dtype  # the matmul's: autocast's, or the weight's own
+            if need_hidden:
+                grad_hidden[span] = grad.mm(weight.to(used))
+            if need_weight:
+                grad_weight = _add_product(grad_weight, grad.t(), hidden[span].to(used), weight)
+            if need_bias:
+                part = grad.sum(0).to(bias.dtype)
+                grad_bias = part if grad_bias is None else grad_bias.add_(part)
+        return grad_hidden, None, grad_weight, grad_bias, None, None, None, None
+
+
+def _add_product(
+    total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor:
+    """`total + a @ b` in `like`'s dtype, into `total` (a fresh one when None); one fused matmul
+    when the product is in that dtype already, so no product-sized copy is made."""
+    if total is None:
+        return a.mm(b).to(like.dtype)
+    if a.dtype == total.dtype:
+        return total.addmm_(a, b)
+    return total.add_(a.mm(b))
 
 
 def _chunk_logprobs(hidden, targets, weight, bias, temperature, with_entropy, entropy_grad):
