@@ -13,6 +13,11 @@ layer first (`layer.compile(dynamic=True)`, inductor) and reports how long that 
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision bf16 --compile
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision fp32 --chunk -1
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --gradient-checkpointing
+    python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision fp32 --live-peak
+
+`--live-peak` runs one more pass under torch's memory profiler and prints the most memory its
+tensors held at once (the allocator's view: what glibc keeps beyond it is not counted, nor are
+tensors the pass never touches, such as AdamW's moments) and the largest tensors alive then.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--chunk", type=int, default=None, help="--log-probs-chunk-size (default: mileage's)"
+    )
+    p.add_argument(
+        "--live-peak", action="store_true", help="profile one more pass: its live tensors' peak"
     )
     args = p.parse_args(argv)
 
@@ -104,7 +112,36 @@ def main(argv: list[str] | None = None) -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     print(f"peak RSS {peak:.2f} GiB")
+    if args.live_peak:
+        live_peak(one_pass)
     return 0
+
+
+def live_peak(one_pass, largest: int = 8) -> None:
+    """Print the most bytes `one_pass`'s tensors held at once and the largest of them then."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        one_pass()
+    live: dict = {}
+    total = peak = 0
+    at_peak: dict = {}
+    for _, action, (key, _version), size in prof._memory_profile().timeline:
+        if action in (Action.PREEXISTING, Action.CREATE):
+            live[key] = size
+            total += size
+        elif action == Action.DESTROY:
+            total -= live.pop(key, 0)
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    mib = 1 << 20
+    print(f"live peak {peak / mib:.0f} MiB; largest then (MiB):")
+    sizes = sorted(at_peak.values(), reverse=True)
+    print("  " + " ".join(f"{size / mib:.1f}" for size in sizes[:largest]))
+    print(f"  and {len(sizes) - largest} more, {sum(sizes[largest:]) / mib:.0f} MiB in all")
 
 
 def random_batch(args: argparse.Namespace, vocab: int):
