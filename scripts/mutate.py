@@ -2050,6 +2050,17 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "chunked-head-keeps-one-chunks-weight-gradient",
+        "the chunked head's backward keeps the first chunk's weight gradient and drops the others'",
+        "mileage/training/logprobs.py",
+        "        return total.addmm_(a, b)",
+        "        return total",
+        (
+            f"{CHUNKED}::test_chunked_log_probs_entropies_and_gradients_equal_the_unchunked_ones",
+            f"{CHUNKED}::test_the_chunked_heads_gradients_are_the_derivatives",
+        ),
+    ),
+    Mutant(
         "allocator-tuning-overrides-the-users",
         "the mileage process turns glibc's mmap off even where the user tuned malloc",
         "mileage/allocator.py",
