@@ -2038,12 +2038,18 @@ MUTANTS = [
         ),
     ),
     Mutant(
-        "chunked-head-left-to-the-cast-cache",
-        "the chunked LM head leaves its weight's bf16 cast to autocast's cache, so whether the "
-        "chunks share one cast depends on autocast in other threads",
+        "chunked-head-as-checkpointed-chunks",
+        "the chunked LM head runs each chunk as a checkpointed autograd node again, so whether "
+        "the chunks share autocast's bf16 cast of the weight depends on other threads",
         "mileage/training/logprobs.py",
-        "    weight, bias = _autocast_once(head.weight, head.bias, chunk_tokens >= 0 and rows > chunk_tokens)",
-        "    weight, bias = head.weight, head.bias",
+        "        out = ChunkedHead.apply(flat, flat_targets, *args, chunk_tokens)",
+        "        from torch.utils.checkpoint import checkpoint\n\n"
+        "        pieces = [\n"
+        "            checkpoint(_chunk_logprobs, flat[a : a + chunk_tokens],\n"
+        "                       flat_targets[a : a + chunk_tokens], *args, use_reentrant=False)\n"
+        "            for a in range(0, rows, chunk_tokens)\n"
+        "        ]\n"
+        "        out = torch.cat(pieces)",
         (
             "tests/test_shared_prompt.py::"
             "test_bf16_gradients_do_not_depend_on_autocast_in_other_threads",

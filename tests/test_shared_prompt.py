@@ -234,8 +234,8 @@ def test_bf16_gradients_do_not_depend_on_autocast_in_other_threads(tiny_hf, shar
     """train-async generates in a thread beside training. autocast empties its cast cache when
     any thread leaves its last context, so a weight cast once and shared by several uses (their
     gradients summed in bf16) or cast again per use depended on the other thread: gradients
-    changed from step to step. Each shared-prompt pass casts for itself; the chunked LM head
-    casts its weight once for all chunks (`mileage.training.logprobs._autocast_once`)."""
+    changed from step to step. Each shared-prompt pass casts for itself; the chunked LM head is
+    one autograd node (`mileage.training.logprobs.ChunkedHead`)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_hf)
     set_precision(model, BF16)

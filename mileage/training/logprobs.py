@@ -177,8 +177,7 @@ def head_logprobs(
     width = hidden.shape[-1]
     flat, flat_targets = hidden.reshape(-1, width), targets.reshape(-1)
     rows = flat.shape[0]
-    weight, bias = _autocast_once(head.weight, head.bias, chunk_tokens >= 0 and rows > chunk_tokens)
-    args = (weight, bias, temperature, with_entropy, entropy_grad)
+    args = (head.weight, head.bias, temperature, with_entropy, entropy_grad)
     if chunk_tokens < 0 or rows <= chunk_tokens:
         out = _chunk_logprobs(flat, flat_targets, *args)
     else:
@@ -189,37 +188,20 @@ def head_logprobs(
     return out.reshape(*targets.shape, out.shape[-1]).clone()
 
 
-def _autocast_once(
-    weight: torch.Tensor, bias: torch.Tensor | None, chunked: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The head's weight and bias as the chunks multiply by them: under autocast with its cast
-    cache, cast once here, so every chunk shares one cast (and its gradients sum in autocast's
-    dtype before the fp32 weight), as a quiet process's cache gives them.
-
-    Left to the cache, whether a later chunk found the first one's cast depended on other
-    threads: autocast's cache is one per process and empties whenever any thread leaves its
-    last autocast context (train-async's generation thread does at every generated batch), and a
-    chunk that missed it cast again, with its gradient reaching the weight in fp32. SmolLM2's
-    head (tied to the embedding) then got other gradients from step to step. Without the cache
-    (`autocast(..., cache_casts=False)`) each chunk casts for itself, and nothing depends on
-    other threads either."""
-    device = weight.device.type
-    if not (chunked and torch.is_autocast_enabled(device) and torch.is_autocast_cache_enabled()):
-        return weight, bias
-    dtype = torch.get_autocast_dtype(device)
-    cast = [t if t is None or t.dtype != torch.float32 else t.to(dtype) for t in (weight, bias)]
-    return cast[0], cast[1]
-
-
 class ChunkedHead(torch.autograd.Function):
     """`_chunk_logprobs` a chunk of rows at a time: a chunk's logits exist only while it is
     computed, in the forward and again in the backward, where every chunk's gradient of the
-    weight is added into one buffer.
+    weight, a product in the matmul's dtype (autocast's), is added into one buffer of the
+    weight's own. The backward recomputes each chunk's logits under the autocast the forward
+    ran in, so they are the forward's bits.
 
-    Each chunk as a checkpointed autograd node of its own gave each its own weight-sized
+    Each chunk was a checkpointed autograd node of its own. That gave each its own weight-sized
     gradient, and autograd summed the first two out of place: three at once, 324 MiB of SmolLM2's
-    fp32 head at the training pass's peak. The backward recomputes each chunk's logits under the
-    autocast the forward ran in, so they are the forward's bits."""
+    fp32 head at the training pass's peak. In bf16 it also made the gradient depend on other
+    threads: autocast's cast cache is one per process and empties whenever any thread leaves its
+    last autocast context (train-async's generation thread does at every batch), so whether the
+    chunks shared one bf16 cast of the weight (their gradients summed in bf16) or cast it again
+    (summed in fp32) changed from step to step. One node has one way."""
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, bias, temperature, with_entropy, entropy_grad, chunk):
@@ -252,7 +234,7 @@ class ChunkedHead(torch.autograd.Function):
         hidden, targets, weight, bias, norm, entropy = ctx.saved_tensors
         need_hidden, _, need_weight, need_bias = ctx.needs_input_grad[:4]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = grad_bias = None
+        grad_weight = grad_bias = used_weight = None
         for span in reversed(ctx.spans):  # the order autograd summed checkpointed chunks in
             with torch.autocast(**ctx.autocast):
                 logits = F.linear(hidden[span], weight, bias)
@@ -268,7 +250,8 @@ class ChunkedHead(torch.autograd.Function):
             )
             used = grad.dtype  # the matmul's: autocast's, or the weight's own
             if need_hidden:
-                grad_hidden[span] = grad.mm(weight.to(used))
+                used_weight = weight.to(used) if used_weight is None else used_weight
+                grad_hidden[span] = grad.mm(used_weight)
             if need_weight:
                 grad_weight = _add_product(grad_weight, grad.t(), hidden[span].to(used), weight)
             if need_bias:

@@ -22,7 +22,7 @@ happened depended on autocast in other threads (a model's autocast forwards in a
 training gave 17 distinct gradients in 30 identical steps; with none, or with only tiny autocast
 matmuls beside it, 1), so `train-async`, which generates beside training, did not resume bit
 for bit. The cache is one per process and empties whenever any thread leaves its last autocast
-context; the chunked LM head meets the same in `mileage.training.logprobs._autocast_once`.
+context; the chunked LM head meets the same in `mileage.training.logprobs.ChunkedHead`.
 """
 
 from __future__ import annotations
