@@ -15,8 +15,8 @@ bonus's gradient, written out by hand, matches autograd's to rounding.
 `head_logprobs` goes one step further, as miles' `--log-probs-chunk-size` and Liger-Kernel's
 fused linear cross-entropy do: it takes the LM head's *input*, and computes the head, the
 log-prob and the entropy a chunk of tokens at a time, so the whole batch's logits never exist.
-Under autograd each chunk is checkpointed: its logits are recomputed in the backward. For
-SmolLM2 (49,152 words) the logits of 64 samples x 190 tokens were 2.4 GB per fp32 copy.
+Under autograd the backward recomputes each chunk's logits (`ChunkedHead`). For SmolLM2
+(49,152 words) the logits of 64 samples x 190 tokens were 2.4 GB per fp32 copy.
 """
 
 from __future__ import annotations
