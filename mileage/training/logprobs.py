@@ -192,8 +192,8 @@ class ChunkedHead(torch.autograd.Function):
     """`_chunk_logprobs` a chunk of rows at a time: a chunk's logits exist only while it is
     computed, in the forward and again in the backward, where every chunk's gradient of the
     weight, a product in the matmul's dtype (autocast's), is added into one buffer of the
-    weight's own. The backward recomputes each chunk's logits under the autocast the forward
-    ran in, so they are the forward's bits.
+    weight's own. The backward recomputes each chunk's logits from the operands autocast gave
+    the forward's matmul (cast once for all chunks), so they are the forward's bits.
 
     Each chunk was a checkpointed autograd node of its own. That gave each its own weight-sized
     gradient, and autograd summed the first two out of place: three at once, 324 MiB of SmolLM2's
@@ -221,12 +221,7 @@ class ChunkedHead(torch.autograd.Function):
         ctx.save_for_backward(hidden, targets, weight, bias, torch.cat(norms), keep_entropy)
         ctx.spans, ctx.temperature = spans, temperature
         device = hidden.device.type
-        ctx.autocast = {
-            "device_type": device,
-            "dtype": torch.get_autocast_dtype(device),
-            "enabled": torch.is_autocast_enabled(device),
-            "cache_enabled": torch.is_autocast_cache_enabled(),
-        }
+        ctx.cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return torch.cat(pieces)
 
     @staticmethod
@@ -234,10 +229,12 @@ class ChunkedHead(torch.autograd.Function):
         hidden, targets, weight, bias, norm, entropy = ctx.saved_tensors
         need_hidden, _, need_weight, need_bias = ctx.needs_input_grad[:4]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = grad_bias = used_weight = None
+        grad_weight = grad_bias = None
+        # the matmul's operands as autocast gave them to the forward's, cast once here
+        used_weight, used_bias = (_autocast_operand(t, ctx.cast) for t in (weight, bias))
         for span in reversed(ctx.spans):  # the order autograd summed checkpointed chunks in
-            with torch.autocast(**ctx.autocast):
-                logits = F.linear(hidden[span], weight, bias)
+            used_hidden = _autocast_operand(hidden[span], ctx.cast)
+            logits = F.linear(used_hidden, used_weight, used_bias)  # the forward's bits
             grad = logits_grad(
                 logits,
                 targets[span],
@@ -248,16 +245,24 @@ class ChunkedHead(torch.autograd.Function):
                 ctx.temperature,
                 in_place=True,  # the recomputed logits are not needed after
             )
-            used = grad.dtype  # the matmul's: autocast's, or the weight's own
             if need_hidden:
-                used_weight = weight.to(used) if used_weight is None else used_weight
                 grad_hidden[span] = grad.mm(used_weight)
             if need_weight:
-                grad_weight = _add_product(grad_weight, grad.t(), hidden[span].to(used), weight)
+                grad_weight = _add_product(grad_weight, grad.t(), used_hidden, weight)
             if need_bias:
                 part = grad.sum(0).to(bias.dtype)
                 grad_bias = part if grad_bias is None else grad_bias.add_(part)
         return grad_hidden, None, grad_weight, grad_bias, None, None, None, None
+
+
+def _autocast_operand(
+    tensor: torch.Tensor | None, dtype: torch.dtype | None
+) -> torch.Tensor | None:
+    """`tensor` as autocast (to `dtype`; None: off) hands it to a matmul: floating tensors but
+    fp64 ones are cast."""
+    if tensor is None or dtype is None or tensor.dtype == torch.float64:
+        return tensor
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def _add_product(
