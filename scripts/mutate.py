@@ -1608,7 +1608,7 @@ MUTANTS = [
         "logprob-gradient-misses-the-target",
         "the hand-written log-prob backward leaves out the target's +1 (only -p remains)",
         "mileage/training/logprobs.py",
-        "                g.scatter_add_(-1, flat_targets[block], grad_logp[block])\n",
+        "            g.scatter_add_(-1, flat_targets[block], grad_logp[block])\n",
         "",
         ("tests/test_logprobs.py::test_blocks_give_the_unblocked_values_and_gradients",),
     ),
@@ -1616,8 +1616,8 @@ MUTANTS = [
         "entropy-bonus-gradient-sign",
         "the entropy bonus's hand-written gradient has the wrong sign",
         "mileage/training/logprobs.py",
-        "                g.mul_(-grad_entropy[block])\n",
-        "                g.mul_(grad_entropy[block])\n",
+        "            g.mul_(-grad_entropy[block])\n",
+        "            g.mul_(grad_entropy[block])\n",
         ("tests/test_logprobs.py::test_gradients_pass_gradcheck_in_float64",),
     ),
     Mutant(
@@ -2275,9 +2275,8 @@ MUTANTS = [
         "logprob-chunk-targets-misaligned",
         "each chunk of the LM head scores the targets of the positions one row later",
         "mileage/training/logprobs.py",
-        "            part = (flat[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens])",
-        "            shifted = flat_targets.roll(-1)\n"
-        "            part = (flat[start : start + chunk_tokens], shifted[start : start + chunk_tokens])",
+        "logprob_values(logits, targets[span], temperature, with_entropy)",
+        "logprob_values(logits, targets.roll(-1)[span], temperature, with_entropy)",
         (f"{CHUNKED}::test_chunked_log_probs_entropies_and_gradients_equal_the_unchunked_ones",),
     ),
     Mutant(
