@@ -2067,6 +2067,17 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "killed-runs-weights-never-swept",
+        "a killed run's temporary weights directory stays in /tmp for ever",
+        "mileage/rollout/engines/weights.py",
+        "                remove_orphaned_weights()\n",
+        "",
+        (
+            "tests/test_engines_vllm.py::"
+            "test_a_killed_runs_temporary_weights_are_removed_by_the_next_run",
+        ),
+    ),
+    Mutant(
         "allocator-tuning-overrides-the-users",
         "the mileage process turns glibc's mmap off even where the user tuned malloc",
         "mileage/allocator.py",

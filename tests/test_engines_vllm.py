@@ -331,6 +331,37 @@ def test_weights_for_vllm_have_their_own_lm_head(tiny_hf, tmp_path):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
+def test_a_killed_runs_temporary_weights_are_removed_by_the_next_run(tmp_path, monkeypatch):
+    """A run killed mid-training leaves its temporary weights directory (a whole model's copy);
+    the next run's first write removes it, leaving live writers' and unstamped ones alone."""
+    import tempfile
+
+    from mileage.rollout.engines import weights as weights_module
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    dead = tmp_path / f"mileage-weights-{exited.pid}-abc"
+    live = tmp_path / f"mileage-weights-{os.getppid()}-def"
+    unstamped = tmp_path / "mileage-weights-x1y2z3"
+    for path in (dead, live, unstamped):
+        (path / "current").mkdir(parents=True)
+        (path / "current" / "model.safetensors").write_bytes(b"weights")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    disk = weights_module.DiskWeights(None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (dead, live, unstamped)
+    ), "a directory before the first write"
+    root = disk.root
+    assert root.name.startswith(f"mileage-weights-{os.getpid()}-")
+    assert not dead.exists() and live.exists() and unstamped.exists()
+    disk.close()
+    assert not root.exists()
+    kept = weights_module.DiskWeights(str(tmp_path / "given"))
+    assert kept.root == tmp_path / "given"
+    kept.close()
+    assert (tmp_path / "given").is_dir(), "--rollout-weights-dir is the user's"
+
+
 def test_train_async_through_a_launched_server_resumes_bit_for_bit(
     cli, builtin_model, fake_vllm, tmp_path
 ):
