@@ -2067,6 +2067,17 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "collector-left-off-for-the-run",
+        "the mileage process never turns the cyclic collector back on after its imports",
+        "mileage/cli/main.py",
+        "    gc.freeze()\n    gc.enable()\n",
+        "    gc.freeze()\n",
+        (
+            "tests/test_cli_startup.py::"
+            "test_the_process_collects_nothing_while_importing_and_freezes_what_it_imported",
+        ),
+    ),
+    Mutant(
         "killed-runs-weights-never-swept",
         "a killed run's temporary weights directory stays in /tmp for ever",
         "mileage/rollout/engines/weights.py",

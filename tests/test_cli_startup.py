@@ -48,3 +48,36 @@ def test_every_command_builds_and_shows_its_own_help(name, capsys):
         main([name, "--help"])
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: mileage {name} ")
+
+
+def test_the_process_collects_nothing_while_importing_and_freezes_what_it_imported(
+    tmp_path, monkeypatch
+):
+    """`run` (the `mileage` process) keeps the collector off while the command's modules are
+    imported, then freezes them and turns it back on: a run must still collect its cycles."""
+    import gc
+
+    import mileage.cli.main as cli_main
+
+    seen = {}
+    real_main = cli_main.main
+
+    def spy(argv=None, after_parse=None):
+        seen["parsing"] = gc.isenabled()
+
+        def after():
+            after_parse()
+            seen["running"] = (gc.isenabled(), gc.get_freeze_count())
+
+        return real_main(["ckpt", "ls", str(tmp_path)], after_parse=after)
+
+    monkeypatch.setattr(cli_main, "main", spy)
+    monkeypatch.setattr("mileage.allocator.keep_freed_memory", lambda: False)
+    try:
+        assert cli_main.run() == 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    enabled, frozen = seen["running"]
+    assert seen["parsing"] is False
+    assert enabled and frozen > 0
