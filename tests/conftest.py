@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import gc
 import json
 import os
 import subprocess
@@ -31,6 +32,12 @@ def pytest_configure(config) -> None:
         # OpenMP pools.
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session) -> None:
+    # what the test modules imported (torch, transformers: about a million objects) lives as
+    # long as the worker; out of the collector's sight, its full collections stay short
+    gc.freeze()
 
 
 def _shared_root(tmp_path_factory) -> Path:
