@@ -1,5 +1,7 @@
 """Wall time of `mileage` commands that should answer at once: `--help`, `train --help` and
-`ckpt ls` (of an empty save directory and of one holding a checkpoint), each a fresh process.
+`ckpt ls` (of an empty save directory and of one holding a checkpoint), and of a short run (the
+crash harness's six rollouts of the built-in model, saving each: what most test launches
+are), each a fresh process.
 
 `--baseline COMMIT` checks that commit out in a temporary git worktree and times it in the same
 run, command by command and repetition by repetition interleaved with this checkout, so both
@@ -30,6 +32,8 @@ from _common import (
     spread,
     write_results,
 )
+
+from mileage.testing.kills import crash_run_args
 
 
 def git(*args: str, cwd: Path = REPO) -> str:
@@ -102,21 +106,28 @@ def main() -> None:
         try:
             (scratch / "empty_run").mkdir()
             ckpt = Path(opts.ckpt_dir) if opts.ckpt_dir else checkpoint_dir(scratch)
+            runs = iter(range(10**6))  # every short run starts fresh, in a save dir of its own
+            short_run = [*crash_run_args(), "--save-interval", "1", "--save"]
             commands = {
-                "mileage --help": ["--help"],
-                "mileage train --help": ["train", "--help"],
-                "mileage ckpt ls EMPTY_DIR": ["ckpt", "ls", str(scratch / "empty_run")],
-                "mileage ckpt ls CKPT_DIR": ["ckpt", "ls", str(ckpt)],
+                "mileage --help": lambda: ["--help"],
+                "mileage train --help": lambda: ["train", "--help"],
+                "mileage ckpt ls EMPTY_DIR": lambda: ["ckpt", "ls", str(scratch / "empty_run")],
+                "mileage ckpt ls CKPT_DIR": lambda: ["ckpt", "ls", str(ckpt)],
+                "mileage train CRASH_RUN_ARGS": lambda: [
+                    "train",
+                    *short_run,
+                    str(scratch / f"run{next(runs)}"),
+                ],
             }
             load_before = load_average()
             for args in commands.values():  # untimed: compiles each tree's .pyc files
                 for tree in trees.values():
-                    launch(tree, args)
+                    launch(tree, args())
             times = {(c, t): [] for c in commands for t in trees}
             for _ in range(opts.reps):
                 for command, args in commands.items():
                     for name, tree in trees.items():
-                        times[command, name].append(launch(tree, args))
+                        times[command, name].append(launch(tree, args()))
         finally:
             if opts.baseline:
                 git("worktree", "remove", "--force", str(scratch / "baseline"))
