@@ -14,6 +14,10 @@ layer first (`layer.compile(dynamic=True)`, inductor) and reports how long that 
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision fp32 --chunk -1
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --gradient-checkpointing
     python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision fp32 --live-peak
+    python bench/train_pass.py --model-dir "$(mileage smollm2)" --precision fp32 --autograd-mlp
+
+The MLPs run mileage's `GatedSiLU`, as a run's policy does; `--autograd-mlp` keeps the
+`transformers` forward (its baseline: the same numbers, one more tensor kept per layer).
 
 `--live-peak` runs one more pass under torch's memory profiler and prints the most memory its
 tensors held at once (the allocator's view: what glibc keeps beyond it is not counted, nor are
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--live-peak", action="store_true", help="profile one more pass: its live tensors' peak"
     )
+    p.add_argument(
+        "--autograd-mlp", action="store_true", help="the transformers MLP forward, not GatedSiLU"
+    )
     args = p.parse_args(argv)
 
     from mileage.allocator import keep_freed_memory
@@ -58,12 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # as the `mileage` process does
     import torch
 
+    from mileage.models.gated_mlp import use_gated_silu
     from mileage.models.hf import load_causal_lm
     from mileage.precision import set_precision
     from mileage.training.actor import sequence_logprobs
 
     torch.set_num_threads(args.threads)
     model = set_precision(load_causal_lm(args.model_dir), args.precision).train()
+    if not args.autograd_mlp:
+        use_gated_silu(model)
     batch = random_batch(args, model.config.vocab_size)
     from mileage.training.algo import AlgoConfig
 

@@ -15,6 +15,7 @@ from mileage.checkpoint.writer import CheckpointWriter
 from mileage.distributed import env
 from mileage.distributed.checkpoint import ShardedCheckpointWriter
 from mileage.distributed.setup import load_on_rank0
+from mileage.models.gated_mlp import use_gated_silu
 from mileage.models.hf import empty_causal_lm, load_causal_lm
 from mileage.precision import set_precision
 from mileage.rollout.engines.base import Engine
@@ -117,6 +118,7 @@ def load_policy(
         model = _load(plan.weights_from, plan.weights_format, config_dir)
     # every copy made from here on (critic body, generation copy) inherits the precision
     set_precision(model, plan.precision, cfg.precision.fp32_lm_head)
+    use_gated_silu(model)  # the same numbers, one activation fewer kept per MLP
     if cfg.algo.needs_reference and lora is None:
         reference = _load(ref_path, ref_fmt, config_dir).requires_grad_(False)
         set_precision(reference, plan.precision)
