@@ -2067,6 +2067,25 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "gated-silu-up-gradient-without-silu",
+        "the gated MLP's backward multiplies the up projection's gradient by the gate, not SiLU(gate)",
+        "mileage/models/gated_mlp.py",
+        "        grad_up = grad * F.silu(gate)",
+        "        grad_up = grad * gate",
+        (
+            "tests/test_gated_mlp.py::test_the_gated_mlp_gives_the_transformers_modules_numbers_bit_for_bit",
+            "tests/test_gated_mlp.py::test_gated_silus_gradients_are_the_derivatives",
+        ),
+    ),
+    Mutant(
+        "policy-without-gated-silu",
+        "the policy keeps the transformers MLP forward (the same numbers, one more tensor kept)",
+        "mileage/build.py",
+        "    use_gated_silu(model)",
+        "    pass",
+        ("tests/test_lm_head.py::test_a_bf16_run_builds_its_policy_with_the_switch_and_says_so",),
+    ),
+    Mutant(
         "collector-left-off-for-the-run",
         "the mileage process never turns the cyclic collector back on after its imports",
         "mileage/cli/main.py",

@@ -163,5 +163,8 @@ def test_a_bf16_run_builds_its_policy_with_the_switch_and_says_so(tiny_hf, tmp_p
     run = build_run(cfg, plan, lambda *_: None)
     on = not flag
     assert isinstance(run.model.get_output_embeddings(), Fp32LogitsLinear) == on
+    # and its MLPs keep one activation fewer (mileage.models.gated_mlp)
+    mlps = [m for m in run.model.modules() if type(m).__name__ == "LlamaMLP"]
+    assert mlps and all(getattr(type(m), "_mileage_gated_silu", False) for m in mlps)
     logits = "fp32" if on else "bf16 (--no-fp32-lm-head)"
     assert f"the engine samples from {logits} logits" in plan.plan.describe()
