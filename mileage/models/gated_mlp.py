@@ -5,9 +5,10 @@ Autograd keeps three [tokens, intermediate] tensors between `gate`/`up` and `dow
 output (for SiLU's derivative), SiLU's output and the up projection's output (for the product's).
 `GatedSiLU` keeps the first and the last and computes SiLU again in the backward: 1,536 floats
 less per token and layer for SmolLM2 (its fp32 training pass of 4x4 rows: 1,359 -> 1,246 MiB of
-activations, docs/benchmarks.md §1), for one more elementwise pass. It runs the same operations as autograd in the same order, so the forward
-and every gradient are bit for bit those of the `transformers` module (a test holds it to that
-in fp32 and under bf16 autocast), and runs saved before keep resuming exactly.
+activations, docs/benchmarks.md §1), for one more elementwise pass. It runs autograd's own
+operations in autograd's order, so the forward and every gradient are bit for bit those of the
+`transformers` module (a test holds it to that in fp32 and under bf16 autocast), and runs saved
+before keep resuming exactly.
 """
 
 from __future__ import annotations
