@@ -37,7 +37,8 @@ from mileage.training.memory_use import GiB
 
 RUNTIME_BYTES = 400 << 20  # RSS of a `mileage train` process before its model is built (CPU)
 # measured with autograd's MLP; the policy's gated MLP (mileage.models.gated_mlp) keeps one
-# intermediate value fewer, so the estimate now errs high by that (6 % of SmolLM2's fp32 pass)
+# intermediate value fewer, so the estimate now errs high by that (SmolLM2: 1,536 of the 14,592
+# values it counts per token and layer)
 ACT_HIDDEN, ACT_INTERMEDIATE = 12, 5
 # with each decoder layer checkpointed, what the peak still grows by per token and layer, in
 # hidden-sized values: measured on SmolLM2 in fp32 (bench/train_pass.py, 8 and 16 rows of 571
