@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -71,8 +72,18 @@ def test_a_users_own_malloc_tuning_is_left_alone(monkeypatch, var):
 def test_the_mileage_process_keeps_freed_memory(monkeypatch):
     calls = []
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append("tuned") or True)
-    monkeypatch.setattr(cli_main, "main", lambda argv=None: calls.append("main") or 0)
-    assert cli_main.run() == 0
+
+    def main(argv=None, after_parse=None):
+        calls.append("main")
+        after_parse()  # turns the collector back on (tests/test_cli_startup.py)
+        return 0
+
+    monkeypatch.setattr(cli_main, "main", main)
+    try:
+        assert cli_main.run() == 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
     assert calls == ["tuned", "main"]
     # `mileage` (the console script) and `python -m mileage` both start there
     repo = Path(__file__).resolve().parents[1]
