@@ -15,6 +15,7 @@ compiles its .pyc files.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def main() -> None:
         try:
             (scratch / "empty_run").mkdir()
             ckpt = Path(opts.ckpt_dir) if opts.ckpt_dir else checkpoint_dir(scratch)
-            runs = iter(range(10**6))  # every short run starts fresh, in a save dir of its own
+            runs = itertools.count()  # every short run starts fresh, in a save dir of its own
             short_run = [*crash_run_args(), "--save-interval", "1", "--save"]
             commands = {
                 "mileage --help": lambda: ["--help"],
