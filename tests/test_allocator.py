@@ -81,8 +81,7 @@ def test_the_mileage_process_keeps_freed_memory(monkeypatch):
     monkeypatch.setattr(cli_main, "main", main)
     try:
         assert cli_main.run() == 0
-    finally:
-        gc.unfreeze()
+    finally:  # what run() froze stays frozen, as conftest freezes the worker's imports
         gc.enable()
     assert calls == ["tuned", "main"]
     # `mileage` (the console script) and `python -m mileage` both start there
